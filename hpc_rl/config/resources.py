@@ -1,0 +1,103 @@
+"""What a role's config implies: its devices, derived data parallelism, spans and segment.
+
+Pure arithmetic on the schema, shared by validation and the planner so both read the
+same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .schema import ClusterConfig, GeneratorConfig, RoleResources, RunConfig, TeacherConfig, TrainerConfig
+
+
+def gpus_per_node(role: RoleResources, cluster: ClusterConfig) -> int:
+    return cluster.gpus_per_node if role.gpus_per_node is None else role.gpus_per_node
+
+
+def tasks_per_node(role: RoleResources, cluster: ClusterConfig) -> int:
+    """One task per GPU on GPU nodes; one task per node on CPU-only nodes unless set."""
+    if role.tasks_per_node is not None:
+        return role.tasks_per_node
+    return max(gpus_per_node(role, cluster), 1)
+
+
+def devices_per_node(role: RoleResources, cluster: ClusterConfig) -> int:
+    """GPUs on GPU nodes; CPU ranks (tasks) where the role has no GPU."""
+    g = gpus_per_node(role, cluster)
+    return g if g > 0 else tasks_per_node(role, cluster)
+
+
+def world_size(role: RoleResources, cluster: ClusterConfig) -> int:
+    return role.nodes * devices_per_node(role, cluster)
+
+
+def derived_dp(role: RoleResources, cluster: ClusterConfig) -> Optional[int]:
+    """dp as given, or GPUs / (tp*cp*pp) when that divides; None when it cannot be derived."""
+    p = role.parallel
+    if p.dp is not None:
+        return p.dp
+    model = p.tp * p.cp * p.pp
+    world = world_size(role, cluster)
+    if model <= 0 or world % model:
+        return None
+    return world // model
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def ep_span_nodes(role: RoleResources, cluster: ClusterConfig) -> int:
+    """Nodes one expert-parallel group covers: EP groups take consecutive ranks (expert
+    tensor parallel innermost), so a group of etp*ep ranks spans that many GPUs."""
+    return ceil_div(role.parallel.ep * role.parallel.etp, devices_per_node(role, cluster))
+
+
+def instance_span_nodes(role: RoleResources, cluster: ClusterConfig) -> int:
+    """Nodes one model replica covers (tp*cp*pp ranks): a vLLM instance, a teacher replica."""
+    p = role.parallel
+    return ceil_div(p.tp * p.cp * p.pp, devices_per_node(role, cluster))
+
+
+def derived_segment(role: RoleResources, cluster: ClusterConfig) -> int:
+    """The segment (nodes kept in one NVLink domain / leaf switch) when the recipe gives none:
+    trainer: its EP span; generator: one instance; teacher: the whole group; env: 1."""
+    if role.segment_size is not None:
+        return role.segment_size
+    if isinstance(role, TrainerConfig):
+        return max(ep_span_nodes(role, cluster), 1)
+    if isinstance(role, GeneratorConfig):
+        return max(instance_span_nodes(role, cluster), ep_span_nodes(role, cluster), 1)
+    if isinstance(role, TeacherConfig):
+        return role.nodes
+    return 1
+
+
+@dataclass
+class TeacherGroup:
+    """One rank group serving every alias that names the same checkpoint."""
+
+    name: str  # the first alias in definition order
+    aliases: List[str]
+    config: TeacherConfig
+
+
+def teacher_groups(cfg: RunConfig) -> List[TeacherGroup]:
+    by_ckpt: Dict[str, TeacherGroup] = {}
+    for alias, teacher in cfg.teachers.items():
+        group = by_ckpt.get(teacher.checkpoint)
+        if group is None:
+            by_ckpt[teacher.checkpoint] = TeacherGroup(alias, [alias], teacher)
+        else:
+            group.aliases.append(alias)
+    return list(by_ckpt.values())
+
+
+def role_sections(cfg: RunConfig) -> List[tuple]:
+    """(role name, config key, resources) in het-component order."""
+    roles = [("trainer", "trainer", cfg.trainer), ("generator", "generator", cfg.generator)]
+    roles += [(f"teacher/{g.name}", f"teachers.{g.name}", g.config) for g in teacher_groups(cfg)]
+    roles.append(("env", "env", cfg.env))
+    return roles

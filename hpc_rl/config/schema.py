@@ -1,0 +1,250 @@
+"""The typed schema of a run: one dataclass per config group.
+
+Hydra composes YAML files (recipes/) on top of these defaults; `hpc_rl.config.convert`
+turns the composed mapping into these classes, collecting every type error and unknown
+key instead of stopping at the first; `hpc_rl.config.validate` then checks the rules that
+span fields (parallel sizes against GPUs, routing targets, batch divisibility, ...).
+
+A field whose value is `None` by default is either optional or derived by the planner
+(for example `parallel.dp`, `segment_size`), as its comment says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Literal, Optional
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass
+class RunSection:
+    """Where a run lives and how it is seeded."""
+
+    name: Optional[str] = None  # defaults to the recipe's name
+    root_dir: str = "runs"  # run directories are created under this
+    dir: Optional[str] = None  # an explicit run directory (resume, tests); else <root_dir>/<name>-<time>
+    seed: int = 1234
+    max_steps: int = 100
+
+
+@dataclass
+class ClusterConfig:
+    """The machines: GPUs per node and how NVLink domains and switches group nodes."""
+
+    name: str = "local"
+    gpus_per_node: int = 0  # 0: CPU processes (this laptop-sized machine, the local Slurm)
+    cpus_per_node: int = 2
+    mem_per_node_gb: int = 16
+    # Nodes joined by one NVLink domain (an NVL72 rack: 18; an H100 node: 1) and how many
+    # of them a job may use (NVL72 keeps 2 spares per rack, so segments are at most 16).
+    nvlink_domain_nodes: int = 1
+    usable_nodes_per_domain: int = 1
+    # Nodes under one leaf switch on tree fabrics; bounds --switches segments. None: no limit.
+    leaf_switch_nodes: Optional[int] = None
+    # How Slurm knows the fabric: block (NVL72 racks, Slurm >= 23.11), tree (switches), none.
+    topology: Literal["block", "tree", "none"] = "none"
+    slurm_version: str = "22.05"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    max_nodes: Optional[int] = None  # nodes the cluster (or partition) has; None: unknown
+
+
+@dataclass
+class LauncherConfig:
+    name: Literal["slurm", "local", "dry_run"] = "dry_run"
+    plan_out: Optional[str] = None  # also write plan.json here
+    wait: bool = False  # slurm: block with a live status display instead of returning
+
+
+@dataclass
+class ModelConfig:
+    """The student model. Facts used by validation and the refit cost model."""
+
+    name: str = "tiny-llama"
+    path: Optional[str] = None  # HF checkpoint directory or hub name
+    architecture: str = "llama"
+    params_b: Optional[float] = None  # total parameters, billions
+    num_experts: Optional[int] = None  # routed experts per MoE layer; None for dense models
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes of one role. tp*cp*pp*dp must equal the role's GPUs (or CPU ranks)."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # None: derived as GPUs / (tp*cp*pp)
+    # Expert tensor parallel. Fine-grained MoE trains with 1 (Megatron's own default would be
+    # tp); the expert mesh etp*ep*edp*pp must tile the role's GPUs.
+    etp: int = 1
+
+
+@dataclass
+class RoleResources:
+    """Fields every role shares: where it runs and how it is split."""
+
+    nodes: int = 1
+    gpus_per_node: Optional[int] = None  # None: the cluster's gpus_per_node
+    tasks_per_node: Optional[int] = None  # None: one task per GPU (or 1 on CPU clusters)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Nodes that must share one NVLink domain / leaf switch. None: derived from the layout
+    # (trainer: the EP span, generator: one vLLM instance, teacher: the whole group).
+    segment_size: Optional[int] = None
+    precision: Precision = "bf16"
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "adam"] = "adamw"
+    lr: float = 1e-6
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class SchedulerConfig:
+    name: Literal["constant_with_warmup"] = "constant_with_warmup"
+    warmup_steps: int = 0
+    warmup_start_lr: float = 0.0  # linear ramp from this to optimizer.lr over warmup_steps
+
+
+@dataclass
+class TrainerConfig(RoleResources):
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    sequence_parallel: bool = False
+    max_seq_len: int = 1024
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: List[str] = field(default_factory=list)
+
+
+@dataclass
+class GeneratorConfig(RoleResources):
+    backend: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 256
+    max_model_len: Optional[int] = None  # None: trainer.max_seq_len
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class TeacherConfig(RoleResources):
+    """An inference-only teacher. Aliases naming the same checkpoint share one rank group."""
+
+    checkpoint: str = ""
+
+
+@dataclass
+class EnvConfig(RoleResources):
+    """Reward environments and verifiers; CPU-only unless the recipe gives them GPUs."""
+
+    nodes: int = 1
+    gpus_per_node: Optional[int] = 0
+    tasks_per_node: Optional[int] = 1
+
+
+@dataclass
+class RoutingConfig:
+    """Which teacher scores a sample: its agent (task) name -> a teacher alias."""
+
+    default: Optional[str] = None  # alias for agents no slot lists
+    strict: bool = False  # reject agents no slot lists instead of using the default
+    # alias -> agent names; a trailing '*' matches a prefix (swe_pivot_*)
+    agents: Dict[str, List[str]] = field(default_factory=dict)
+
+
+@dataclass
+class OPDConfig:
+    adv_clip: float = 20.0  # advantages clipped to [-adv_clip, adv_clip]
+
+
+@dataclass
+class GRPOConfig:
+    leave_one_out: bool = False
+    normalize_std: bool = True
+
+
+@dataclass
+class LossConfig:
+    kind: Literal["ppo", "reinforce"] = "ppo"
+    ratio_clip_low: float = 0.2
+    ratio_clip_high: float = 0.2
+
+
+@dataclass
+class MismatchConfig:
+    """Correction for generation (vLLM) vs trainer logprob mismatch."""
+
+    kind: Literal["none", "tis", "icepop"] = "tis"
+    min: float = 0.2
+    max: float = 5.0
+    # mask a sequence whose mean multiplicative probability error exceeds this; None: off
+    seq_logprob_error_threshold: Optional[float] = None
+
+
+@dataclass
+class AsyncConfig:
+    enabled: bool = False
+    max_trajectory_age_steps: int = 1
+    in_flight_weight_updates: bool = False
+
+
+@dataclass
+class AlgoConfig:
+    name: Literal["mopd", "grpo"] = "mopd"
+    prompts_per_step: int = 8
+    generations_per_prompt: int = 1
+    ref_kl_coef: float = 0.0
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    async_rollout: AsyncConfig = field(default_factory=AsyncConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10
+    keep_last: int = 2
+    keep_every: Optional[int] = None  # also keep every N-th step's checkpoint
+    dir: Optional[str] = None  # None: <run dir>/checkpoints
+
+
+@dataclass
+class ContainerConfig:
+    image: Optional[str] = None  # enroot .sqsh path (must start with / or ./) or registry image
+    mounts: List[str] = field(default_factory=list)
+    workdir: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    recipe: Optional[str] = None  # set from the +recipe= choice
+    run: RunSection = field(default_factory=RunSection)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    teachers: Dict[str, TeacherConfig] = field(default_factory=dict)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    container: ContainerConfig = field(default_factory=ContainerConfig)

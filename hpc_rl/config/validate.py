@@ -1,0 +1,299 @@
+"""Rules that span fields. Every rule appends violations; none stops the others.
+
+Each violation names the key, the value and the fix, so a user can correct a 224-node
+recipe in one edit instead of one resubmission per mistake.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, List
+
+from .errors import Violation
+from .resources import (
+    derived_dp,
+    derived_segment,
+    devices_per_node,
+    ep_span_nodes,
+    gpus_per_node,
+    instance_span_nodes,
+    role_sections,
+    tasks_per_node,
+    teacher_groups,
+    world_size,
+)
+from .schema import GeneratorConfig, RoleResources, RunConfig, TrainerConfig
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _short(values: List[int], limit: int = 12) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (", ..." if len(values) > limit else "")
+
+
+def _check_positive(out: List[Violation], key: str, value, minimum: int = 1) -> bool:
+    if value is None or value < minimum:
+        out.append(Violation(key, value, f"must be at least {minimum}", f"set {key} to an integer >= {minimum}"))
+        return False
+    return True
+
+
+def check_role(out: List[Violation], cfg: RunConfig, key: str, role: RoleResources) -> None:
+    cluster = cfg.cluster
+    p = role.parallel
+    ok = _check_positive(out, f"{key}.nodes", role.nodes)
+    for name in ("tp", "cp", "ep", "pp", "etp"):
+        ok &= _check_positive(out, f"{key}.parallel.{name}", getattr(p, name))
+    if p.dp is not None:
+        ok &= _check_positive(out, f"{key}.parallel.dp", p.dp)
+    gpn = gpus_per_node(role, cluster)
+    if gpn < 0 or gpn > max(cluster.gpus_per_node, 0):
+        out.append(Violation(f"{key}.gpus_per_node", gpn, f"the cluster {cluster.name!r} has {cluster.gpus_per_node} GPUs per node",
+                             f"set {key}.gpus_per_node between 0 and {cluster.gpus_per_node}, or pick another cluster="))
+        ok = False
+    tpn = tasks_per_node(role, cluster)
+    if tpn < 1:
+        out.append(Violation(f"{key}.tasks_per_node", tpn, "must be at least 1", f"set {key}.tasks_per_node >= 1"))
+        ok = False
+    elif gpn > 0 and tpn != gpn:
+        out.append(Violation(f"{key}.tasks_per_node", tpn, f"GPU roles run one task per GPU ({gpn} per node)",
+                             f"remove {key}.tasks_per_node or set it to {gpn}"))
+    if not ok:
+        return
+
+    world = world_size(role, cluster)
+    unit = "GPUs" if gpn > 0 else "CPU ranks"
+    model = p.tp * p.cp * p.pp
+    if p.dp is not None and model * p.dp != world:
+        out.append(Violation(f"{key}.parallel", f"tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp}",
+                             f"tp*cp*pp*dp = {model * p.dp} but the role has {world} {unit} ({role.nodes} nodes x {world // role.nodes})",
+                             f"make tp*cp*pp*dp = {world}, or leave {key}.parallel.dp unset to derive it"))
+        return
+    if world % model:
+        out.append(Violation(f"{key}.parallel", f"tp={p.tp} cp={p.cp} pp={p.pp}",
+                             f"tp*cp*pp = {model} does not divide the role's {world} {unit}",
+                             f"choose tp*cp*pp among the divisors of {world} ({_short(_divisors(world))}) or change {key}.nodes"))
+        return
+
+    # The expert mesh (etp x ep x edp) tiles each pipeline stage's ranks.
+    per_stage = world // p.pp
+    if per_stage % (p.ep * p.etp):
+        fits = [d for d in _divisors(per_stage // p.etp)]
+        out.append(Violation(f"{key}.parallel.ep", p.ep,
+                             f"expert parallel x expert tensor parallel ({p.ep}x{p.etp}) must divide the {per_stage} {unit} of a pipeline stage (tp*cp*dp)",
+                             f"set {key}.parallel.ep to a divisor of {per_stage // p.etp}: {_short(fits)}"))
+        return
+    if cfg.model.num_experts and key in ("trainer", "generator") and cfg.model.num_experts % p.ep:
+        out.append(Violation(f"{key}.parallel.ep", p.ep, f"the model has {cfg.model.num_experts} experts, which EP {p.ep} does not split evenly",
+                             f"set {key}.parallel.ep to a divisor of {cfg.model.num_experts}"))
+
+    dpn = devices_per_node(role, cluster)
+    span = ep_span_nodes(role, cluster)
+    if p.ep * p.etp > dpn and (p.ep * p.etp) % dpn:
+        out.append(Violation(f"{key}.parallel.ep", p.ep, f"an EP group of {p.ep * p.etp} ranks would cover part of a node ({dpn} per node)",
+                             f"make ep*etp a multiple of {dpn} or at most {dpn}"))
+    elif role.nodes % span:
+        out.append(Violation(f"{key}.parallel.ep", p.ep, f"an EP group spans {span} nodes, which does not divide the role's {role.nodes} nodes",
+                             f"set {key}.nodes to a multiple of {span} or choose another ep"))
+
+    seg = derived_segment(role, cluster)
+    seg_key = f"{key}.segment_size"
+    if seg < 1:
+        out.append(Violation(seg_key, seg, "must be at least 1", f"set {seg_key} >= 1 or leave it unset to derive it"))
+        return
+    if role.nodes % seg:
+        out.append(Violation(seg_key, seg, f"segments of {seg} nodes do not divide the role's {role.nodes} nodes",
+                             f"set {seg_key} to a divisor of {role.nodes}: {_short(_divisors(role.nodes))}"))
+    if cluster.topology == "block" and seg > cluster.usable_nodes_per_domain:
+        out.append(Violation(seg_key, seg, f"a segment must fit in one NVLink domain ({cluster.usable_nodes_per_domain} usable nodes of {cluster.nvlink_domain_nodes} on {cluster.name})",
+                             f"set {seg_key} <= {cluster.usable_nodes_per_domain} (and shrink the EP span or instance size to match)"))
+    if cluster.topology == "tree" and cluster.leaf_switch_nodes and seg > cluster.leaf_switch_nodes:
+        out.append(Violation(seg_key, seg, f"a segment must fit under one leaf switch ({cluster.leaf_switch_nodes} nodes on {cluster.name})",
+                             f"set {seg_key} <= {cluster.leaf_switch_nodes}"))
+    if span > 1 and seg % span:
+        out.append(Violation(seg_key, seg, f"an EP group spans {span} nodes and must sit inside one segment",
+                             f"set {seg_key} to a multiple of {span}"))
+    if cluster.topology == "block" and span > cluster.usable_nodes_per_domain:
+        out.append(Violation(f"{key}.parallel.ep", p.ep, f"an EP group spans {span} nodes, more than one NVLink domain ({cluster.usable_nodes_per_domain} usable nodes)",
+                             f"keep ep*etp <= {cluster.usable_nodes_per_domain * dpn} on {cluster.name}"))
+    if isinstance(role, GeneratorConfig):
+        inst = instance_span_nodes(role, cluster)
+        if inst > 1 and seg % inst:
+            out.append(Violation(seg_key, seg, f"one vLLM instance (tp*pp = {p.tp * p.pp}) spans {inst} nodes and must sit inside one segment",
+                                 f"set {seg_key} to a multiple of {inst}"))
+
+
+def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
+    t = cfg.trainer
+    cl = cfg.cluster
+    if t.backend == "megatron" and cl.gpus_per_node == 0:
+        out.append(Violation("trainer.backend", t.backend, "Megatron-core's forward path needs CUDA; this cluster has no GPUs",
+                             "use trainer.backend=fsdp2 on CPU clusters"))
+    if t.sequence_parallel and t.parallel.tp == 1:
+        out.append(Violation("trainer.sequence_parallel", True, "sequence parallelism splits along tensor parallel ranks and needs tp > 1",
+                             "set trainer.sequence_parallel=false or trainer.parallel.tp > 1"))
+    _check_positive(out, "trainer.max_seq_len", t.max_seq_len)
+    _check_positive(out, "trainer.micro_batch_size", t.micro_batch_size)
+    _check_positive(out, "trainer.global_batch_size", t.global_batch_size)
+    cp, tp = t.parallel.cp, t.parallel.tp
+    if cp > 1 and t.max_seq_len > 0:
+        # Context parallel load-balances causal attention by cutting sequences into 2*cp chunks;
+        # sequence parallel further splits each chunk over tp ranks.
+        unit = 2 * cp * (tp if t.sequence_parallel else 1)
+        if t.max_seq_len % unit:
+            out.append(Violation("trainer.max_seq_len", t.max_seq_len, f"with cp={cp}{' and sequence parallel tp=' + str(tp) if t.sequence_parallel else ''} sequences are cut into multiples of {unit} tokens",
+                                 f"set trainer.max_seq_len to a multiple of {unit}"))
+    dp = derived_dp(t, cl)
+    if dp and t.micro_batch_size > 0 and t.global_batch_size % (dp * t.micro_batch_size):
+        out.append(Violation("trainer.global_batch_size", t.global_batch_size,
+                             f"must divide by data parallel x micro batch = {dp} x {t.micro_batch_size} = {dp * t.micro_batch_size}",
+                             f"set trainer.global_batch_size to a multiple of {dp * t.micro_batch_size}"))
+    o = t.optimizer
+    if o.lr <= 0:
+        out.append(Violation("trainer.optimizer.lr", o.lr, "must be positive", "set trainer.optimizer.lr > 0"))
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        out.append(Violation("trainer.optimizer.betas", o.betas, "must be two numbers in [0, 1)", "e.g. trainer.optimizer.betas=[0.9,0.999]"))
+    if o.eps <= 0:
+        out.append(Violation("trainer.optimizer.eps", o.eps, "must be positive", "e.g. trainer.optimizer.eps=1e-8"))
+    if o.weight_decay < 0:
+        out.append(Violation("trainer.optimizer.weight_decay", o.weight_decay, "must be >= 0", "set trainer.optimizer.weight_decay >= 0"))
+    if o.grad_clip <= 0:
+        out.append(Violation("trainer.optimizer.grad_clip", o.grad_clip, "must be positive", "set trainer.optimizer.grad_clip > 0"))
+    s = t.scheduler
+    if s.warmup_steps < 0:
+        out.append(Violation("trainer.scheduler.warmup_steps", s.warmup_steps, "must be >= 0", "set trainer.scheduler.warmup_steps >= 0"))
+    if s.warmup_start_lr < 0 or (o.lr > 0 and s.warmup_start_lr > o.lr):
+        out.append(Violation("trainer.scheduler.warmup_start_lr", s.warmup_start_lr, f"must lie in [0, optimizer.lr = {o.lr}]",
+                             "set trainer.scheduler.warmup_start_lr <= trainer.optimizer.lr"))
+
+
+def check_generator(out: List[Violation], cfg: RunConfig) -> None:
+    g = cfg.generator
+    if not 0.0 < g.gpu_memory_utilization <= 1.0:
+        out.append(Violation("generator.gpu_memory_utilization", g.gpu_memory_utilization, "must lie in (0, 1]",
+                             "e.g. generator.gpu_memory_utilization=0.85"))
+    _check_positive(out, "generator.max_num_seqs", g.max_num_seqs)
+    sp = g.sampling
+    if sp.temperature < 0:
+        out.append(Violation("generator.sampling.temperature", sp.temperature, "must be >= 0", "set generator.sampling.temperature >= 0"))
+    if not 0.0 < sp.top_p <= 1.0:
+        out.append(Violation("generator.sampling.top_p", sp.top_p, "must lie in (0, 1]", "set generator.sampling.top_p in (0, 1]"))
+    if sp.top_k == 0 or sp.top_k < -1:
+        out.append(Violation("generator.sampling.top_k", sp.top_k, "must be -1 (off) or >= 1", "set generator.sampling.top_k=-1 or a positive integer"))
+    _check_positive(out, "generator.sampling.max_tokens", sp.max_tokens)
+    max_len = g.max_model_len or cfg.trainer.max_seq_len
+    if sp.max_tokens > max_len:
+        out.append(Violation("generator.sampling.max_tokens", sp.max_tokens, f"exceeds the model length {max_len}",
+                             f"set generator.sampling.max_tokens <= {max_len}"))
+
+
+def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:
+    aliases = list(cfg.teachers)
+    r = cfg.routing
+    if cfg.algo.name == "mopd" and not aliases:
+        out.append(Violation("teachers", {}, "MOPD needs at least one teacher", "define teachers.<alias>.checkpoint in the recipe"))
+    for alias, t in cfg.teachers.items():
+        if not t.checkpoint:
+            out.append(Violation(f"teachers.{alias}.checkpoint", t.checkpoint, "every teacher needs a checkpoint",
+                                 f"set teachers.{alias}.checkpoint to a model path or name"))
+    for group in teacher_groups(cfg):
+        for alias in group.aliases[1:]:
+            other = cfg.teachers[alias]
+            for fld in ("nodes", "gpus_per_node", "tasks_per_node", "parallel", "precision", "segment_size"):
+                if getattr(other, fld) != getattr(group.config, fld):
+                    out.append(Violation(f"teachers.{alias}.{fld}", getattr(other, fld),
+                                         f"alias {alias!r} shares checkpoint {group.config.checkpoint!r} with {group.name!r}, so they share one rank group, but {fld} differs",
+                                         f"set teachers.{alias}.{fld} to {getattr(group.config, fld)!r} or give it its own checkpoint"))
+    if not aliases:
+        return
+    if r.default is None:
+        if not r.strict:
+            out.append(Violation("routing.default", None, "agents that no slot lists need a default teacher",
+                                 f"set routing.default to one of {aliases}, or routing.strict=true"))
+    elif r.default not in cfg.teachers:
+        out.append(Violation("routing.default", r.default, f"is not a defined teacher (teachers: {aliases})",
+                             f"set routing.default to one of {aliases} or define teachers.{r.default}"))
+    seen = {}
+    for alias, agents in r.agents.items():
+        if alias not in cfg.teachers:
+            out.append(Violation(f"routing.agents.{alias}", agents, f"routes to {alias!r}, which is not a defined teacher (teachers: {aliases})",
+                                 f"define teachers.{alias} or move these agents under one of {aliases}"))
+        for agent in agents:
+            for prev_pattern, prev_alias in seen.items():
+                if prev_alias != alias and (fnmatch.fnmatchcase(agent, prev_pattern) or fnmatch.fnmatchcase(prev_pattern, agent)):
+                    out.append(Violation(f"routing.agents.{alias}", agent, f"is also routed to {prev_alias!r} (by {prev_pattern!r}); each sample is scored by exactly one teacher",
+                                         f"list {agent!r} under one alias only"))
+            seen[agent] = alias
+
+
+def check_algo(out: List[Violation], cfg: RunConfig) -> None:
+    a = cfg.algo
+    _check_positive(out, "algo.prompts_per_step", a.prompts_per_step)
+    _check_positive(out, "algo.generations_per_prompt", a.generations_per_prompt)
+    if a.name == "grpo" and a.generations_per_prompt < 2:
+        out.append(Violation("algo.generations_per_prompt", a.generations_per_prompt, "GRPO normalises rewards within a prompt's group and needs at least 2 generations",
+                             "set algo.generations_per_prompt >= 2"))
+    rollouts = a.prompts_per_step * a.generations_per_prompt
+    gbs = cfg.trainer.global_batch_size
+    if gbs > 0 and rollouts > 0 and rollouts % gbs:
+        out.append(Violation("algo.prompts_per_step", a.prompts_per_step,
+                             f"prompts x generations = {rollouts} rollouts per step is not a whole number of trainer batches ({gbs})",
+                             f"make algo.prompts_per_step * algo.generations_per_prompt a multiple of trainer.global_batch_size={gbs}"))
+    if a.opd.adv_clip <= 0:
+        out.append(Violation("algo.opd.adv_clip", a.opd.adv_clip, "must be positive", "e.g. algo.opd.adv_clip=20"))
+    if a.loss.ratio_clip_low < 0 or a.loss.ratio_clip_high < 0:
+        out.append(Violation("algo.loss", f"low={a.loss.ratio_clip_low} high={a.loss.ratio_clip_high}", "ratio clip bounds must be >= 0",
+                             "set algo.loss.ratio_clip_low/high >= 0"))
+    m = a.mismatch
+    if m.kind != "none" and not (0 <= m.min <= 1.0 <= m.max):
+        out.append(Violation("algo.mismatch", f"min={m.min} max={m.max}", "importance-weight bounds must satisfy 0 <= min <= 1 <= max",
+                             "e.g. algo.mismatch.min=0.2 algo.mismatch.max=5.0"))
+    if m.seq_logprob_error_threshold is not None and m.seq_logprob_error_threshold <= 1.0:
+        out.append(Violation("algo.mismatch.seq_logprob_error_threshold", m.seq_logprob_error_threshold,
+                             "the mean multiplicative probability error is >= 1, so a threshold <= 1 masks every sequence",
+                             "set it above 1 (e.g. 2.0) or to null"))
+    if a.ref_kl_coef < 0:
+        out.append(Violation("algo.ref_kl_coef", a.ref_kl_coef, "must be >= 0", "set algo.ref_kl_coef >= 0"))
+    asy = a.async_rollout
+    if asy.max_trajectory_age_steps < 0:
+        out.append(Violation("algo.async_rollout.max_trajectory_age_steps", asy.max_trajectory_age_steps, "must be >= 0",
+                             "set it to 0 (on-policy) or more"))
+    if asy.in_flight_weight_updates and not asy.enabled:
+        out.append(Violation("algo.async_rollout.in_flight_weight_updates", True, "in-flight weight updates need asynchronous rollouts",
+                             "set algo.async_rollout.enabled=true or in_flight_weight_updates=false"))
+
+
+def check_job(out: List[Violation], cfg: RunConfig) -> None:
+    if cfg.recipe is None:
+        out.append(Violation("recipe", None, "no recipe chosen", "add +recipe=<name> (see recipes/recipe/)"))
+    total = sum(r.nodes for _, _, r in role_sections(cfg) if r.nodes > 0)
+    if cfg.cluster.max_nodes is not None and total > cfg.cluster.max_nodes:
+        out.append(Violation("cluster.max_nodes", cfg.cluster.max_nodes, f"the job needs {total} nodes",
+                             "lower the roles' nodes or choose a larger cluster="))
+    ck = cfg.checkpoint
+    _check_positive(out, "checkpoint.every_steps", ck.every_steps)
+    _check_positive(out, "checkpoint.keep_last", ck.keep_last)
+    if ck.keep_every is not None:
+        _check_positive(out, "checkpoint.keep_every", ck.keep_every)
+    _check_positive(out, "run.max_steps", cfg.run.max_steps)
+
+
+RULES: List[Callable[[List[Violation], RunConfig], None]] = [
+    check_job,
+    check_trainer,
+    check_generator,
+    check_teachers_and_routing,
+    check_algo,
+]
+
+
+def validate(cfg: RunConfig) -> List[Violation]:
+    out: List[Violation] = []
+    for name, key, role in role_sections(cfg):
+        check_role(out, cfg, key, role)
+    for rule in RULES:
+        rule(out, cfg)
+    return out

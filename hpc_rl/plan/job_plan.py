@@ -1,0 +1,95 @@
+"""RunConfig -> JobPlan: the roles of one job, their nodes, tasks and parallel layouts.
+
+The plan is what every later layer reads (the sbatch renderer, the rank runtime, the
+refit planner), and what `plan.json` records in each run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List
+
+from hpc_rl.config.resources import derived_dp, derived_segment, gpus_per_node, role_sections, tasks_per_node, teacher_groups
+from hpc_rl.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    name: str  # trainer | generator | teacher/<alias> | env
+    nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+    parallel: Dict[str, int]  # tp, cp, ep, pp, dp
+    segment_size: int
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    recipe: str
+    cluster: str
+    roles: List[RolePlan]
+    # teacher group name -> the aliases it serves (aliases sharing a checkpoint share one)
+    teacher_aliases: Dict[str, List[str]] = field(default_factory=dict)
+
+    @property
+    def total_nodes(self) -> int:
+        return sum(r.nodes for r in self.roles)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(r.gpus for r in self.roles)
+
+    def role(self, name: str) -> RolePlan:
+        for r in self.roles:
+            if r.name == name:
+                return r
+        raise KeyError(f"no role {name!r} in the plan (roles: {[r.name for r in self.roles]})")
+
+    def to_dict(self) -> dict:
+        """The plan.json document."""
+        return {
+            "recipe": self.recipe,
+            "total_nodes": self.total_nodes,
+            "roles": [
+                {
+                    "name": r.name,
+                    "nodes": r.nodes,
+                    "gpus_per_node": r.gpus_per_node,
+                    "tasks_per_node": r.tasks_per_node,
+                    "parallel": dict(r.parallel),
+                    "segment_size": r.segment_size,
+                }
+                for r in self.roles
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def build_plan(cfg: RunConfig) -> JobPlan:
+    """Plan a validated config (hpc_rl.config.compose.load_config validates)."""
+    roles = []
+    for name, _key, role in role_sections(cfg):
+        p = role.parallel
+        roles.append(
+            RolePlan(
+                name=name,
+                nodes=role.nodes,
+                gpus_per_node=gpus_per_node(role, cfg.cluster),
+                tasks_per_node=tasks_per_node(role, cfg.cluster),
+                parallel={"tp": p.tp, "cp": p.cp, "ep": p.ep, "pp": p.pp, "dp": derived_dp(role, cfg.cluster)},
+                segment_size=derived_segment(role, cfg.cluster),
+            )
+        )
+    aliases = {g.name: list(g.aliases) for g in teacher_groups(cfg)}
+    return JobPlan(recipe=cfg.recipe or "", cluster=cfg.cluster.name, roles=roles, teacher_aliases=aliases)

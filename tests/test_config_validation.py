@@ -1,0 +1,104 @@
+"""Validation: every invalid config gets an error naming the key, the value and a fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hpc_rl.config import ConfigError, load_config
+
+ULTRA = ["+recipe=ultra_mopd"]
+
+# (overrides on top of ultra_mopd, the key the violation must name, a fragment of its text)
+INVALID = [
+    (["trainer.parallel.ep=48"], "trainer.parallel.ep", "must divide the 256 GPUs of a pipeline stage"),
+    (["trainer.nodes=32"], "trainer.parallel", "tp*cp*pp = 256 does not divide the role's 128 GPUs"),
+    (["trainer.parallel.dp=2"], "trainer.parallel", "tp*cp*pp*dp = 512 but the role has 256 GPUs"),
+    (["trainer.segment_size=12"], "trainer.segment_size", "segments of 12 nodes do not divide the role's 64 nodes"),
+    (["trainer.segment_size=8"], "trainer.segment_size", "an EP group spans 16 nodes and must sit inside one segment"),
+    (["trainer.segment_size=32"], "trainer.segment_size", "must fit in one NVLink domain (16 usable nodes of 18"),
+    (["generator.segment_size=3"], "generator.segment_size", "segments of 3 nodes do not divide the role's 128 nodes"),
+    (["generator.segment_size=1"], "generator.segment_size", "one vLLM instance (tp*pp = 8) spans 2 nodes"),
+    (["teachers.rlhf.parallel.ep=5"], "teachers.rlhf.parallel.ep", "must divide the 16 GPUs"),
+    (["routing.default=math"], "routing.default", "is not a defined teacher"),
+    (["+routing.agents.coder=[my_agent]"], "routing.agents.coder", "routes to 'coder', which is not a defined teacher"),
+    (["routing.agents.rlhf=[lc_judge_simple_agent]"], "routing.agents.rlhf", "is also routed to 'general'"),
+    (["routing.agents.rlhf=[swe_pivot_django]"], "routing.agents.swe", "is also routed to 'rlhf' (by 'swe_pivot_django')"),
+    (["teachers.swe.checkpoint=/checkpoints/ultra_mopd/teacher-general", "teachers.swe.nodes=8"],
+     "teachers.swe.nodes", "shares checkpoint '/checkpoints/ultra_mopd/teacher-general' with 'general'"),
+    (["teachers.ifbench.checkpoint=''"], "teachers.ifbench.checkpoint", "every teacher needs a checkpoint"),
+    (["+trainer.nodez=3"], "trainer.nodez", "unknown key"),
+    (["trainer.nodes=many"], "trainer.nodes", "must be an integer"),
+    (["trainer.micro_batch_size=3"], "trainer.global_batch_size", "must divide by data parallel x micro batch = 1 x 3"),
+    (["algo.prompts_per_step=1000"], "algo.prompts_per_step", "1000 rollouts per step is not a whole number of trainer batches (1024)"),
+    (["trainer.max_seq_len=196600"], "trainer.max_seq_len", "multiples of 512 tokens"),
+    (["generator.gpu_memory_utilization=1.5"], "generator.gpu_memory_utilization", "must lie in (0, 1]"),
+    (["algo.name=grpo"], "algo.generations_per_prompt", "needs at least 2 generations"),
+    (["algo.mismatch.min=1.5"], "algo.mismatch", "0 <= min <= 1 <= max"),
+    (["trainer.optimizer.betas=[0.9,1.5]"], "trainer.optimizer.betas", "two numbers in [0, 1)"),
+    (["trainer.scheduler.warmup_start_lr=1e-5"], "trainer.scheduler.warmup_start_lr", "must lie in [0, optimizer.lr"),
+    (["launcher.name=slrum"], "launcher.name", "did you mean 'slurm'"),
+    (["cluster=local_slurm"], "cluster.max_nodes", "the job needs 224 nodes"),
+    (["cluster=local_slurm"], "trainer.backend", "Megatron-core's forward path needs CUDA"),
+    (["trainer.parallel.tp=1", "trainer.parallel.cp=32"], "trainer.sequence_parallel", "needs tp > 1"),
+    (["algo.async_rollout.enabled=false"], "algo.async_rollout.in_flight_weight_updates", "need asynchronous rollouts"),
+    (["trainer.nodez=3"], "trainer.nodez", "did you mean trainer.nodes?"),
+]
+
+
+def _violations(overrides):
+    with pytest.raises(ConfigError) as info:
+        load_config(ULTRA + overrides)
+    return info.value.violations
+
+
+@pytest.mark.parametrize("overrides,key,fragment", INVALID, ids=[" ".join(o) for o, _, _ in INVALID])
+def test_invalid_config_names_key_value_and_fix(overrides, key, fragment):
+    violations = _violations(overrides)
+    matching = [v for v in violations if v.key == key and fragment in v.problem + " " + v.fix]
+    assert matching, f"expected {key!r} with {fragment!r}; got:\n" + "\n".join(v.render() for v in violations)
+    for v in matching:
+        assert v.fix, "every violation carries a fix"
+
+
+def test_every_violation_reported_at_once():
+    violations = _violations(["trainer.parallel.ep=48", "routing.default=math", "generator.gpu_memory_utilization=0",
+                              "+env.colour=blue"])
+    keys = {v.key for v in violations}
+    assert {"trainer.parallel.ep", "routing.default", "generator.gpu_memory_utilization", "env.colour"} <= keys
+
+
+def test_valid_overrides_compose():
+    cfg = load_config(ULTRA + ["cluster=h100", "trainer.nodes=32"])
+    assert cfg.cluster.name == "h100" and cfg.cluster.gpus_per_node == 8
+    assert cfg.trainer.nodes == 32
+    # a smaller EP that still tiles the trainer and sits inside a rack is fine on GB200
+    assert load_config(ULTRA + ["trainer.parallel.ep=32"]).trainer.parallel.ep == 32
+
+
+def test_strict_routing_needs_no_default():
+    cfg = load_config(ULTRA + ["routing.default=null", "routing.strict=true"])
+    assert cfg.routing.strict and cfg.routing.default is None
+    with pytest.raises(ConfigError) as info:
+        load_config(ULTRA + ["routing.default=null"])
+    assert [v.key for v in info.value.violations] == ["routing.default"]
+
+
+def test_unknown_recipe_and_cluster_list_the_choices():
+    with pytest.raises(ConfigError) as info:
+        load_config(["+recipe=ultra_mpod"])
+    assert "ultra_mopd" in info.value.violations[0].fix
+    with pytest.raises(ConfigError) as info:
+        load_config(ULTRA + ["cluster=gb300"])
+    assert "gb200_nvl72" in info.value.violations[0].fix
+
+
+def test_cli_exits_2_naming_the_key(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *ULTRA, "trainer.parallel.ep=48",
+                           f"run.root_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "trainer.parallel.ep = 48" in proc.stderr and "fix:" in proc.stderr
+    assert "nothing was submitted" in proc.stderr
+    assert not any(tmp_path.iterdir()), "a refused config leaves no run directory"
