@@ -14,7 +14,11 @@ from hpc_rl.config import ConfigError, load_config, to_yaml
 from hpc_rl.config.compose import available
 from hpc_rl.plan import build_plan
 from hpc_rl.plan.report import describe
+from hpc_rl.launchers.local import launch_local
+from hpc_rl.launchers.slurm import launch_slurm
 from hpc_rl.run_dir import prepare_run_dir, write_atomic
+from hpc_rl.runtime import programs
+from hpc_rl.slurm.preflight import check_slurm
 
 USAGE = """usage: python -m hpc_rl.launch +recipe=NAME [cluster=NAME] [launcher=NAME] [key=value ...]
 
@@ -60,13 +64,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     plan = build_plan(cfg)
-    if cfg.launcher.name in ("slurm", "local"):
-        # Checked before a run directory exists so a refused launch leaves nothing behind.
-        print(f"hpc_rl: launcher={cfg.launcher.name} is not available in this version: the het-job executor and "
-              f"the local process launcher are being built (see the open issues). Use launcher=dry_run to see the plan.",
-              file=sys.stderr)
+    name = cfg.launcher.name
+    if name != "dry_run" and cfg.run.program not in programs.available():
+        # refused before a run directory exists, so nothing is left behind
+        print(f"hpc_rl: invalid config: run.program={cfg.run.program!r} has no role loops in this version "
+              f"(available: {programs.available()}); nothing was submitted.\n"
+              f"      fix: run.program=comm_check checks this job's wiring; launcher=dry_run shows its plan", file=sys.stderr)
         return 2
+    if name == "slurm":
+        try:
+            check_slurm(cfg, plan)  # before the run directory exists: a refused launch leaves nothing
+        except ConfigError as err:
+            print(f"hpc_rl: {err.render()}", file=sys.stderr)
+            return err.exit_code
     run_dir = prepare_run_dir(cfg, plan)
+    if name == "slurm":
+        print(describe(cfg, plan) + "\n")
+        return launch_slurm(cfg, plan, run_dir, overrides)
+    if name == "local":
+        print(describe(cfg, plan) + "\n")
+        outcome = launch_local(plan, run_dir, grace_s=cfg.launcher.kill_grace_s)
+        if outcome.exit_code:
+            print(f"hpc_rl: run failed in {outcome.failed} after {outcome.seconds:.1f}s: {outcome.detail}\n"
+                  f"  logs: {run_dir / 'logs'}", file=sys.stderr)
+        else:
+            print(f"[local] all ranks finished in {outcome.seconds:.1f}s; run directory: {run_dir}")
+        return outcome.exit_code
     print(describe(cfg, plan))
     print(f"\nrun directory: {run_dir}")
     print(f"  {run_dir / 'config.yaml'}\n  {run_dir / 'plan.json'}")

@@ -1,4 +1,5 @@
-"""Golden plan files of the shipped recipes: tests compare, `--write` regenerates.
+"""Golden files of the shipped recipes, plans (tests/golden/) and het sbatch scripts
+(sbatch/, which users may submit by hand): tests compare, `--write` regenerates.
 
     python tests/golden.py --write      (or: make golden)
 """
@@ -10,9 +11,29 @@ from pathlib import Path
 from typing import Dict, List
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+SBATCH_DIR = Path(__file__).resolve().parents[1] / "sbatch"
 
 # (recipe, cluster): the plans users read before spending 224 nodes on them.
 PLAN_CASES = [("ultra_mopd", "gb200_nvl72"), ("ultra_mopd", "h100")]
+
+
+# (recipe, cluster, container overrides or ()): the shipped scripts
+CONTAINER = ("container.image=/lustre/images/hpc_rl.sqsh", "container.mounts=[/lustre:/lustre]")
+SBATCH_CASES = [(r, c, ct) for r, c in PLAN_CASES for ct in ((), CONTAINER)]
+
+
+def sbatch_path(recipe: str, cluster: str, container: tuple) -> Path:
+    return SBATCH_DIR / f"{recipe}.{cluster}{'.container' if container else ''}.sbatch"
+
+
+def render_sbatch(recipe: str, cluster: str, container: tuple) -> str:
+    from hpc_rl.config import load_config
+    from hpc_rl.plan import build_plan
+    from hpc_rl.slurm.sbatch import RenderOptions, render
+
+    overrides = (f"+recipe={recipe}", f"cluster={cluster}", *container)
+    cfg = load_config(list(overrides))
+    return render(cfg, build_plan(cfg), RenderOptions(run_dir=None, overrides=overrides))
 
 
 def plan_path(recipe: str, cluster: str) -> Path:
@@ -27,7 +48,9 @@ def render_plan(recipe: str, cluster: str) -> str:
 
 
 def rendered() -> Dict[Path, str]:
-    return {plan_path(r, c): render_plan(r, c) for r, c in PLAN_CASES}
+    out = {plan_path(r, c): render_plan(r, c) for r, c in PLAN_CASES}
+    out.update({sbatch_path(r, c, ct): render_sbatch(r, c, ct) for r, c, ct in SBATCH_CASES})
+    return out
 
 
 def main(argv: List[str]) -> int:

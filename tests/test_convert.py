@@ -23,7 +23,7 @@ def test_all_errors_collected():
     _, errors = to_typed(RunConfig, {
         "trainer": {"nodes": True, "parallel": {"tp": "8"}, "precison": "bf16"},
         "launcher": {"name": "sbatch"},
-        "teachers": {"math": {"checkpoint": 3}},
+        "teachers": {"math": {"checkpoint": ["a", "b"]}},
         "routing": {"agents": {"math": "add"}},
         "colour": 1,
     })

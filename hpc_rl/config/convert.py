@@ -82,6 +82,9 @@ def _convert(tp: Any, value: Any, key: str, errors: List[Violation]) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        # YAML and the override grammar read 23.11 or 2405 as numbers; a version is text
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
     elif isinstance(value, tp):
         return value
     errors.append(Violation(key, value, f"must be {_describe(tp)}", f"set {key} to {_describe(tp)}"))

@@ -26,6 +26,10 @@ class RunSection:
     dir: Optional[str] = None  # an explicit run directory (resume, tests); else <root_dir>/<name>-<time>
     seed: int = 1234
     max_steps: int = 100
+    # What every rank runs after rendezvous: the RL loop, or a wiring check of the job's
+    # process groups (rendezvous, per-role all-reduce, trainer -> generator/teacher broadcast).
+    program: Literal["rl", "comm_check"] = "rl"
+    rendezvous_timeout_s: int = 300  # a rank that cannot meet its peers by then fails, naming them
 
 
 @dataclass
@@ -49,6 +53,21 @@ class ClusterConfig:
     account: Optional[str] = None
     qos: Optional[str] = None
     max_nodes: Optional[int] = None  # nodes the cluster (or partition) has; None: unknown
+    exclusive: bool = True  # jobs take whole nodes (GPU clusters); the local clusters share theirs
+
+
+@dataclass
+class SlurmOptions:
+    """Options of the heterogeneous sbatch script that are not the cluster's facts."""
+
+    job_name: Optional[str] = None  # None: hpc_rl-<recipe>
+    time: str = "04:00:00"
+    reservation: Optional[str] = None
+    dependency: Optional[str] = None  # e.g. afterok:1234
+    requeue: bool = True
+    signal_grace_s: int = 300  # USR1 to the batch shell this long before the time limit
+    switches_wait: str = "00:10:00"  # tree topology: how long to wait for a one-switch placement
+    python: str = "python3"  # interpreter on the compute nodes (or inside the container)
 
 
 @dataclass
@@ -56,6 +75,9 @@ class LauncherConfig:
     name: Literal["slurm", "local", "dry_run"] = "dry_run"
     plan_out: Optional[str] = None  # also write plan.json here
     wait: bool = False  # slurm: block with a live status display instead of returning
+    poll_s: float = 2.0  # how often job state is polled while waiting
+    kill_grace_s: float = 10.0  # when a role fails: seconds between SIGTERM and SIGKILL of the others
+    slurm: SlurmOptions = field(default_factory=SlurmOptions)
 
 
 @dataclass
@@ -234,6 +256,13 @@ class ContainerConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Failure injection for chaos tests: make one rank fail on purpose."""
+
+    inject_failure: Optional[str] = None  # "<role>:<rank>", e.g. "generator:0" or "teacher/general:0"
+
+
+@dataclass
 class RunConfig:
     recipe: Optional[str] = None  # set from the +recipe= choice
     run: RunSection = field(default_factory=RunSection)
@@ -248,3 +277,4 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     container: ContainerConfig = field(default_factory=ContainerConfig)
+    ft: FaultConfig = field(default_factory=FaultConfig)

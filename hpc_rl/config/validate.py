@@ -269,7 +269,9 @@ def check_algo(out: List[Violation], cfg: RunConfig) -> None:
 def check_job(out: List[Violation], cfg: RunConfig) -> None:
     if cfg.recipe is None:
         out.append(Violation("recipe", None, "no recipe chosen", "add +recipe=<name> (see recipes/recipe/)"))
-    total = sum(r.nodes for _, _, r in role_sections(cfg) if r.nodes > 0)
+    sizes = [r.nodes for _, _, r in role_sections(cfg) if r.nodes > 0]
+    # Exclusive components take distinct nodes; shared ones (local clusters) can overlap.
+    total = sum(sizes) if cfg.cluster.exclusive else max(sizes, default=0)
     if cfg.cluster.max_nodes is not None and total > cfg.cluster.max_nodes:
         out.append(Violation("cluster.max_nodes", cfg.cluster.max_nodes, f"the job needs {total} nodes",
                              "lower the roles' nodes or choose a larger cluster="))
@@ -281,12 +283,37 @@ def check_job(out: List[Violation], cfg: RunConfig) -> None:
     _check_positive(out, "run.max_steps", cfg.run.max_steps)
 
 
+def check_launch(out: List[Violation], cfg: RunConfig) -> None:
+    image = cfg.container.image
+    if image is not None and image.endswith(".sqsh") and not image.startswith(("/", "./")):
+        # pyxis reads anything else as a registry image name and tries to pull it
+        out.append(Violation("container.image", image, "a squashfs image path must start with '/' or './' (pyxis treats other names as registry images)",
+                             f"use an absolute path or container.image=./{image}"))
+    for i, mount in enumerate(cfg.container.mounts):
+        if ":" not in mount or not mount.split(":", 1)[0].startswith("/"):
+            out.append(Violation(f"container.mounts[{i}]", mount, "a mount is SRC:DST[:FLAGS] with an absolute SRC",
+                                 "e.g. /lustre:/lustre"))
+    s = cfg.launcher.slurm
+    if s.signal_grace_s < 0:
+        out.append(Violation("launcher.slurm.signal_grace_s", s.signal_grace_s, "must be >= 0", "set it to the seconds a checkpoint save needs"))
+    if cfg.run.rendezvous_timeout_s < 1:
+        out.append(Violation("run.rendezvous_timeout_s", cfg.run.rendezvous_timeout_s, "must be >= 1", "e.g. run.rendezvous_timeout_s=300"))
+    spec = cfg.ft.inject_failure
+    if spec is not None:
+        role, _, rank = spec.rpartition(":")
+        names = [name for name, _, _ in role_sections(cfg)]
+        if role not in names or not rank.isdigit():
+            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank> naming a role of this job",
+                                 f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
+
+
 RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_job,
     check_trainer,
     check_generator,
     check_teachers_and_routing,
     check_algo,
+    check_launch,
 ]
 
 

@@ -72,6 +72,13 @@ class JobPlan:
             ],
         }
 
+    @classmethod
+    def from_dict(cls, doc: dict) -> "JobPlan":
+        """Read plan.json back (the job side reads the plan, never re-plans)."""
+        roles = [RolePlan(name=r["name"], nodes=r["nodes"], gpus_per_node=r["gpus_per_node"], tasks_per_node=r["tasks_per_node"],
+                          parallel=dict(r["parallel"]), segment_size=r["segment_size"]) for r in doc["roles"]]
+        return cls(recipe=doc["recipe"], cluster=doc.get("cluster", ""), roles=roles)
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 

@@ -1,0 +1,1 @@
+"""The per-rank side: identity from the launcher's environment, rendezvous, process groups."""

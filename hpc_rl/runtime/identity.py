@@ -1,0 +1,88 @@
+"""Who am I? A rank's identity from Slurm's variables or the local launcher's.
+
+Every task of a run starts the same worker; the launcher tells it its role through
+HPC_RL_ROLE (the batch script sets it per `srun --het-group`, the local launcher per
+process). Rank within the role, local rank and node come from Slurm (SLURM_PROCID,
+SLURM_LOCALID, SLURMD_NODENAME: one srun per role makes them role-local) or from the
+local launcher's HPC_RL_* equivalents. Global ranks follow the plan's role order, so
+every rank computes every other rank's global id without asking.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+from hpc_rl.plan.job_plan import JobPlan
+
+ROLE = "HPC_RL_ROLE"
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    role: str
+    role_rank: int
+    role_size: int
+    global_rank: int
+    world_size: int
+    local_rank: int
+    node: str
+    restart: int
+    job_id: str
+
+    def __str__(self) -> str:
+        return f"{self.role}[{self.role_rank}/{self.role_size}] (global {self.global_rank}/{self.world_size}, node {self.node}, local {self.local_rank})"
+
+
+def role_offsets(plan: JobPlan) -> Dict[str, Tuple[int, int]]:
+    """role -> (first global rank, number of ranks), in the plan's role order."""
+    out, start = {}, 0
+    for r in plan.roles:
+        out[r.name] = (start, r.tasks)
+        start += r.tasks
+    return out
+
+
+def _get(env: Mapping[str, str], *names: str) -> Optional[str]:
+    for n in names:
+        if env.get(n) not in (None, ""):
+            return env[n]
+    return None
+
+
+def identity_from_env(plan: JobPlan, env: Optional[Mapping[str, str]] = None) -> RankIdentity:
+    env = os.environ if env is None else env
+    role = _get(env, ROLE)
+    offsets = role_offsets(plan)
+    if role is None or role not in offsets:
+        raise RuntimeError(f"{ROLE}={role!r}: every rank needs its role from the launcher; roles of this plan: {list(offsets)}")
+    first, size = offsets[role]
+    rank = _get(env, "HPC_RL_ROLE_RANK", "SLURM_PROCID")
+    if rank is None:
+        raise RuntimeError("neither HPC_RL_ROLE_RANK nor SLURM_PROCID is set: start ranks through a launcher")
+    role_rank = int(rank)
+    ntasks = int(_get(env, "HPC_RL_ROLE_SIZE", "SLURM_NTASKS") or size)
+    if ntasks != size or not 0 <= role_rank < size:
+        raise RuntimeError(f"role {role}: the launcher started {ntasks} tasks (this is rank {role_rank}) but the plan has {size}")
+    world = sum(n for _, n in offsets.values())
+    return RankIdentity(
+        role=role,
+        role_rank=role_rank,
+        role_size=size,
+        global_rank=first + role_rank,
+        world_size=world,
+        local_rank=int(_get(env, "HPC_RL_LOCAL_RANK", "SLURM_LOCALID") or 0),
+        node=_get(env, "HPC_RL_NODE", "SLURMD_NODENAME") or socket.gethostname(),
+        restart=int(_get(env, "HPC_RL_RESTART", "SLURM_RESTART_COUNT") or 0),
+        job_id=_get(env, "HPC_RL_JOB_ID", "SLURM_HET_JOB_ID", "SLURM_JOB_ID") or "local",
+    )
+
+
+def rendezvous_port(job_id: str, restart: int) -> int:
+    """A port every rank derives alike from the job id and restart count (no scontrol in
+    containers): a requeued job gets a fresh port, so stale sockets of the last attempt
+    never collide with the new store."""
+    digits = int("".join(ch for ch in job_id if ch.isdigit()) or "0")
+    return 20000 + (digits * 131 + restart * 17) % 30000

@@ -1,0 +1,62 @@
+"""Rank outcomes as submitit result pickles, one per global rank.
+
+`<run_dir>/submitit/<job id>_<global rank>_result.pkl` holds ("success", value) or
+("error", traceback): the files a submitit `Job(folder, job_id, tasks)` reads, so
+`job.results()` / `job.task(k).result()` work on our het jobs too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from submitit.core import utils as submitit_utils
+
+
+def submitit_folder(run_dir: Path) -> Path:
+    return Path(run_dir) / "submitit"
+
+
+def result_paths(run_dir: Path, job_id: str, global_rank: int) -> submitit_utils.JobPaths:
+    return submitit_utils.JobPaths(submitit_folder(run_dir), job_id=job_id, task_id=global_rank)
+
+
+def _global_rank(run_dir: Path) -> int:
+    """This task's global rank, or -1 when the run directory or environment is unusable
+    (the rank then fails inside `fn` with the precise reason)."""
+    from hpc_rl.plan.job_plan import JobPlan
+
+    from .identity import identity_from_env
+
+    try:
+        plan = JobPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+        return identity_from_env(plan).global_rank
+    except Exception:
+        return -1
+
+
+def run_and_record(run_dir: Path, fn: Callable[[], Any]) -> int:
+    from .worker import record_failure
+
+    job_id = os.environ.get("HPC_RL_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+    role = os.environ.get("HPC_RL_ROLE", "unknown")
+    rank = os.environ.get("HPC_RL_ROLE_RANK") or os.environ.get("SLURM_PROCID") or "?"
+    restart = os.environ.get("HPC_RL_RESTART") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+    paths = result_paths(run_dir, job_id, _global_rank(run_dir))
+    paths.folder.mkdir(parents=True, exist_ok=True)
+    try:
+        result = fn()
+    except BaseException:
+        tb = traceback.format_exc()
+        record_failure(run_dir, role, rank, restart, tb)
+        with submitit_utils.temporary_save_path(paths.result_pickle) as tmp:
+            submitit_utils.cloudpickle_dump(("error", tb), tmp)
+        print(tb, file=sys.stderr, flush=True)
+        return 1
+    with submitit_utils.temporary_save_path(paths.result_pickle) as tmp:
+        submitit_utils.cloudpickle_dump(("success", result), tmp)
+    return 0

@@ -1,0 +1,127 @@
+"""The one entry every task of a run starts: `python -m hpc_rl.runtime.worker RUN_DIR`.
+
+It reads the run directory (config.yaml, plan.json: never Hydra state), learns its
+identity from the launcher's environment, meets the other ranks, builds the process
+groups, and runs `run.program`. Its outcome is written as a submitit result pickle
+(`("success", result)` or `("error", traceback)`) so submitit job handles read it, and a
+failure also leaves `errors/<role>.<rank>.<restart>.txt` naming role and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from hpc_rl.config.convert import to_typed
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.plan.job_plan import JobPlan
+
+from .identity import RankIdentity, identity_from_env, rendezvous_port
+from .programs import PROGRAMS
+
+
+@dataclass
+class RankContext:
+    run_dir: Path
+    cfg: RunConfig
+    plan: JobPlan
+    ident: RankIdentity
+    store: Any
+    groups: Any
+    device: str
+    log: logging.Logger
+
+
+def load_run(run_dir: Path) -> tuple:
+    data = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    cfg, errors = to_typed(RunConfig, data)
+    if errors:
+        raise RuntimeError(f"{run_dir / 'config.yaml'} does not match this version's schema: "
+                           + "; ".join(v.render() for v in errors))
+    plan = JobPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    return cfg, plan
+
+
+def rank_logger(ident: RankIdentity) -> logging.Logger:
+    log = logging.getLogger(f"hpc_rl.{ident.role}.{ident.role_rank}")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [{ident.role}:{ident.role_rank}] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+def maybe_inject_failure(cfg: RunConfig, ident: RankIdentity) -> None:
+    spec = cfg.ft.inject_failure
+    if spec and spec == f"{ident.role}:{ident.role_rank}":
+        raise RuntimeError(f"injected failure on {ident.role}:{ident.role_rank} (ft.inject_failure={spec})")
+
+
+def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
+    from .groups import build_groups, configure_device
+    from .rendezvous import connect_store, rendezvous
+
+    run_path = Path(run_dir)
+    cfg, plan = load_run(run_path)
+    ident = identity_from_env(plan, env)
+    log = rank_logger(ident)
+    role = plan.role(ident.role)
+    device = configure_device(ident, role.gpus_per_node, cfg.cluster.cpus_per_node, role.tasks_per_node)
+    environ = os.environ if env is None else env
+    addr = environ.get("HPC_RL_MASTER_ADDR", "127.0.0.1")
+    port = int(environ.get("HPC_RL_MASTER_PORT") or rendezvous_port(ident.job_id, ident.restart))
+    timeout = float(cfg.run.rendezvous_timeout_s)
+    log.info("starting %s on %s; rendezvous at %s:%d (restart %d)", ident, device, addr, port, ident.restart)
+    t0 = time.perf_counter()
+    store = connect_store(ident, plan, addr, port, timeout)
+    rendezvous(store, ident, plan, timeout)
+    groups = build_groups(store, ident, plan, timeout)
+    log.info("rendezvoused with %d ranks in %.2fs", ident.world_size, time.perf_counter() - t0)
+    # for the launch benchmark: when this rank was ready (wall clock, comparable across ranks)
+    store.set(f"ready/{ident.restart}/{ident.global_rank}", repr(time.time()))
+    maybe_inject_failure(cfg, ident)
+    if cfg.run.program not in PROGRAMS:
+        raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
+    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log)
+    result = PROGRAMS[cfg.run.program]()(ctx)
+    _shutdown()
+    return result
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def record_failure(run_dir: Path, role: str, rank: str, restart: str, tb: str) -> None:
+    errors = run_dir / "errors"
+    errors.mkdir(parents=True, exist_ok=True)
+    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    (errors / f"{role.replace('/', '-')}.{rank}.{restart}.txt").write_text(f"{role}:{rank}: {last}\n\n{tb}")
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Local launcher entry: run this rank and record its outcome like submitit does."""
+    from .results import run_and_record
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpc_rl.runtime.worker RUN_DIR", file=sys.stderr)
+        return 2
+    return run_and_record(Path(args[0]), lambda: run_rank(args[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Slurm: het sbatch rendering, the submitit-based executor, job watching, preflight checks."""

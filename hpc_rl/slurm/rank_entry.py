@@ -1,0 +1,47 @@
+"""What each Slurm task runs: `python -m hpc_rl.slurm.rank_entry RUN_DIR`.
+
+Jobs submitted through the executor carry a submitit DelayedSubmission pickle
+(`<run_dir>/submitit/<job id>_submitted.pkl`); every rank loads and calls it, like
+submitit's own `_submit` does for flat jobs. Scripts submitted by hand have no pickle and
+start the worker directly. Either way the outcome lands as submitit result pickles.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from submitit.core import utils as submitit_utils
+
+from hpc_rl.runtime.results import run_and_record, submitit_folder
+from hpc_rl.runtime.worker import run_rank
+
+PICKLE_WAIT_S = 60  # the executor moves the pickle into place right after sbatch returns
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpc_rl.slurm.rank_entry RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    if os.environ.get("HPC_RL_PICKLED") != "1":
+        return run_and_record(run_dir, lambda: run_rank(str(run_dir)))
+    job_id = os.environ.get("HPC_RL_JOB_ID") or os.environ["SLURM_JOB_ID"]
+    pickle = submitit_utils.JobPaths(submitit_folder(run_dir), job_id=job_id).submitted_pickle
+
+    def call():
+        deadline = time.monotonic() + PICKLE_WAIT_S
+        while not pickle.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the submission pickle {pickle} never appeared ({PICKLE_WAIT_S}s)")
+            time.sleep(0.2)
+        return submitit_utils.DelayedSubmission.load(pickle).result()
+
+    return run_and_record(run_dir, call)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Render one heterogeneous sbatch script from a plan: one component per role.
+
+The batch shell is the job's supervisor. It exports what ranks need to meet (containers
+have no `scontrol`), starts one `srun --het-group=<k>` per role in the background, and
+waits; when one role fails it stops the others and exits non-zero naming the role, so a
+dead rank never leaves the rest of a 224-node allocation hanging on a collective.
+
+Scripts rendered without a run directory (the shipped `sbatch/` files) are for users who
+submit by hand: they create their run directory on first start by planning the recipe
+they were rendered from.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import List, Optional
+
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.plan.job_plan import JobPlan, RolePlan
+
+# Variables every rank reads; pyxis needs them named to pass them into the container.
+RANK_ENV = ["HPC_RL_ROLE", "HPC_RL_RUN_DIR", "HPC_RL_JOB_ID", "HPC_RL_RESTART", "HPC_RL_MASTER_ADDR",
+            "HPC_RL_MASTER_PORT", "HPC_RL_PICKLED"]
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    run_dir: Optional[str] = None  # None: created at job start under the submit directory
+    python: Optional[str] = None  # None: launcher.slurm.python
+    pickled: bool = False  # ranks run the executor's pickled submission (submitit) instead of the plain entry
+    overrides: tuple = ()  # the launch overrides, replayed when a hand-submitted script plans its run
+
+
+def version_at_least(version: str, minimum: str) -> bool:
+    def parts(v: str) -> List[int]:
+        return [int(p) for p in v.split(".") if p.isdigit()]
+
+    return parts(version) >= parts(minimum)
+
+
+def log_name(role: str) -> str:
+    return role.replace("/", "-")
+
+
+def placement_options(cfg: RunConfig, role: RolePlan) -> List[str]:
+    """Keep each segment of a role inside one NVLink domain (block) or leaf switch (tree)."""
+    cl = cfg.cluster
+    seg = role.segment_size
+    if seg <= 1 or role.nodes <= 1:
+        return []
+    if cl.topology == "block":
+        if version_at_least(cl.slurm_version, "24.05"):
+            return [f"--segment={seg}"]
+        return [f"# --segment={seg} needs Slurm 24.05 (cluster.slurm_version={cl.slurm_version}): placement is checked after allocation"]
+    if cl.topology == "tree":
+        per_switch = cl.leaf_switch_nodes or seg
+        switches = -(-role.nodes // per_switch)
+        return [f"--switches={switches}@{cfg.launcher.slurm.switches_wait}"]
+    return []
+
+
+def component_options(cfg: RunConfig, role: RolePlan) -> List[str]:
+    cl, sl = cfg.cluster, cfg.launcher.slurm
+    opts = [f"--nodes={role.nodes}", f"--ntasks-per-node={role.tasks_per_node}"]
+    if role.gpus_per_node > 0:
+        opts.append(f"--gpus-per-node={role.gpus_per_node}")
+    opts.append(f"--cpus-per-task={max(1, cl.cpus_per_node // role.tasks_per_node)}")
+    if cl.exclusive:
+        opts += ["--exclusive", "--mem=0"]
+    # Every component repeats where and how long it runs: Slurm takes them per component.
+    for flag, value in (("partition", cl.partition), ("account", cl.account), ("qos", cl.qos),
+                        ("reservation", sl.reservation), ("time", sl.time)):
+        if value:
+            opts.append(f"--{flag}={value}")
+    opts += placement_options(cfg, role)
+    return opts
+
+
+def header_options(cfg: RunConfig, run_dir: Optional[str]) -> List[str]:
+    sl = cfg.launcher.slurm
+    opts = [f"--job-name={sl.job_name or 'hpc_rl-' + (cfg.recipe or 'run')}"]
+    # The batch shell's own log: in the run directory when known, else beside the submit dir.
+    out = f"{run_dir}/logs/batch.out" if run_dir else f"hpc_rl-{cfg.recipe}-%j.out"
+    opts += [f"--output={out}", "--open-mode=append"]
+    if sl.requeue:
+        opts.append("--requeue")
+    if sl.signal_grace_s > 0:
+        opts.append(f"--signal=B:USR1@{sl.signal_grace_s}")
+    if sl.dependency:
+        opts.append(f"--dependency={sl.dependency}")
+    return opts
+
+
+def container_flags(cfg: RunConfig) -> List[str]:
+    c = cfg.container
+    if not c.image:
+        return []
+    mounts = ["$RUN_DIR:$RUN_DIR", *c.mounts]
+    return [
+        f"--container-image={shlex.quote(c.image)}",
+        f'--container-mounts="{",".join(mounts)}"',
+        f'--container-workdir="{c.workdir or "$RUN_DIR"}"',
+        "--no-container-mount-home",
+        f"--container-env={','.join(RANK_ENV)}",
+    ]
+
+
+def _sbatch_lines(opts: List[str]) -> List[str]:
+    return [o if o.startswith("#") else f"#SBATCH {o}" for o in opts]
+
+
+def render(cfg: RunConfig, plan: JobPlan, options: RenderOptions = RenderOptions()) -> str:
+    python = options.python or cfg.launcher.slurm.python
+    lines = [
+        "#!/bin/bash",
+        f"# hpc_rl heterogeneous job: recipe {plan.recipe} on {plan.cluster}, {plan.total_nodes} nodes, "
+        f"{len(plan.roles)} components.",
+        "# Rendered by hpc_rl (python -m hpc_rl.launch); submit with `sbatch <this file>`.",
+        "# Components in order: " + ", ".join(f"{k}={r.name}" for k, r in enumerate(plan.roles)),
+    ]
+    for k, role in enumerate(plan.roles):
+        if k == 0:
+            lines += _sbatch_lines(header_options(cfg, options.run_dir))
+        else:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# component {k}: {role.name} (tp={role.parallel['tp']} cp={role.parallel['cp']} "
+                     f"ep={role.parallel['ep']} pp={role.parallel['pp']} dp={role.parallel['dp']})")
+        lines += _sbatch_lines(component_options(cfg, role))
+    lines.append("")
+    lines += _body(cfg, plan, options, python)
+    return "\n".join(lines) + "\n"
+
+
+def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) -> List[str]:
+    q = shlex.quote
+    grace = cfg.launcher.kill_grace_s
+    if options.run_dir:
+        run_dir_line = f"RUN_DIR={q(options.run_dir)}"
+        bootstrap: List[str] = []
+    else:
+        run_dir_line = f'RUN_DIR="${{HPC_RL_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/{plan.recipe}-$SLURM_JOB_ID}}"'
+        replay = " ".join(q(o) for o in options.overrides if not o.startswith(("launcher=", "run.dir=")))
+        # In a container, hpc_rl lives in the image: plan from inside it, on one task.
+        runner = ""
+        if cfg.container.image:
+            runner = "srun --het-group=0 --nodes=1 --ntasks=1 " + " ".join(container_flags(cfg)) + " "
+        bootstrap = [
+            "# Submitted by hand: plan the run into RUN_DIR on first start (a requeue finds it there).",
+            'if [ ! -f "$RUN_DIR/plan.json" ]; then',
+            '    mkdir -p "$RUN_DIR"',
+            f'    {runner}{python} -m hpc_rl.launch {replay} launcher=dry_run run.dir="$RUN_DIR" >/dev/null || exit 2',
+            "fi",
+        ]
+    entry = "hpc_rl.slurm.rank_entry"
+    body = [
+        "set -uo pipefail",
+        run_dir_line,
+        *bootstrap,
+        'mkdir -p "$RUN_DIR/logs"',
+        "export HPC_RL_RUN_DIR=\"$RUN_DIR\"",
+        "export HPC_RL_JOB_ID=\"$SLURM_JOB_ID\"",
+        "export HPC_RL_RESTART=\"${SLURM_RESTART_COUNT:-0}\"",
+        f"export HPC_RL_PICKLED={1 if options.pickled else 0}",
+        "# Ranks meet on a TCPStore hosted by trainer rank 0, the first task of component 0.",
+        'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
+        'node_addr=$(scontrol show node "$first_node" 2>/dev/null | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        'export HPC_RL_MASTER_ADDR="${node_addr:-$first_node}"',
+        "# A port from the job id and restart count: a requeued job never meets its old store.",
+        'job_digits=$(echo "$SLURM_JOB_ID" | tr -cd 0-9)',
+        "export HPC_RL_MASTER_PORT=$(( 20000 + (10#${job_digits:-0} * 131 + HPC_RL_RESTART * 17) % 30000 ))",
+        'echo "hpc_rl: job $SLURM_JOB_ID restart $HPC_RL_RESTART, run dir $RUN_DIR, store $HPC_RL_MASTER_ADDR:$HPC_RL_MASTER_PORT"',
+        "",
+        "# Time limit near: note it for the ranks (they checkpoint on it).",
+        "trap 'echo \"hpc_rl: USR1 received, time limit near\"; touch \"$RUN_DIR/.usr1.$HPC_RL_RESTART\"' USR1",
+        "",
+        "roles=(); pids=()",
+        "start_role() {  # start_role <het group> <role>",
+        "    local k=$1 role=$2 log=${2//\\//-}",
+        "    HPC_RL_ROLE=$role srun --het-group=\"$k\" --kill-on-bad-exit=1 --open-mode=append \\",
+        "        --output=\"$RUN_DIR/logs/$log.$HPC_RL_RESTART.out\" --error=\"$RUN_DIR/logs/$log.$HPC_RL_RESTART.err\" \\",
+    ]
+    flags = container_flags(cfg)
+    if flags:
+        body.append("        " + " ".join(flags) + " \\")
+    body += [
+        f"        {python} -m {entry} \"$RUN_DIR\" &",
+        "    roles+=(\"$role\"); pids+=($!)",
+        "}",
+    ]
+    for k, role in enumerate(plan.roles):
+        body.append(f"start_role {k} {q(role.name)}")
+    body += [
+        "",
+        "stop_all() {  # SIGTERM every remaining step, SIGKILL after the grace period",
+        "    local pid",
+        "    for pid in \"${pids[@]}\"; do [ -n \"$pid\" ] && kill -TERM \"$pid\" 2>/dev/null; done",
+        f"    local deadline=$(( SECONDS + {int(max(grace, 1))} ))",
+        "    while [ $SECONDS -lt $deadline ]; do",
+        "        local alive=0",
+        "        for pid in \"${pids[@]}\"; do [ -n \"$pid\" ] && kill -0 \"$pid\" 2>/dev/null && alive=1; done",
+        "        [ $alive -eq 0 ] && return",
+        "        sleep 0.5",
+        "    done",
+        "    for pid in \"${pids[@]}\"; do [ -n \"$pid\" ] && kill -KILL \"$pid\" 2>/dev/null; done",
+        "}",
+        "",
+        "failed_role=''; status=0",
+        "while :; do",
+        "    running=0",
+        "    for i in \"${!pids[@]}\"; do",
+        "        pid=${pids[$i]}; [ -z \"$pid\" ] && continue",
+        "        if kill -0 \"$pid\" 2>/dev/null; then running=1; continue; fi",
+        "        wait \"$pid\"; rc=$?; pids[$i]=''",
+        "        if [ $rc -ne 0 ] && [ -z \"$failed_role\" ]; then",
+        "            failed_role=${roles[$i]}; status=$rc",
+        "            echo \"hpc_rl: role $failed_role failed (exit $rc); stopping the other roles\" >&2",
+        "            stop_all",
+        "        fi",
+        "    done",
+        "    [ $running -eq 0 ] && break",
+        "    sleep 1",
+        "done",
+        "",
+        "# The outcome for job handles when accounting is off (squeue forgets finished jobs).",
+        "detail=''",
+        "if [ -n \"$failed_role\" ]; then",
+        "    for f in \"$RUN_DIR\"/errors/*.\"$HPC_RL_RESTART\".txt; do",
+        "        [ -f \"$f\" ] && detail=\"$detail$(head -n 1 \"$f\"); \"",
+        "    done",
+        "    echo \"hpc_rl: job failed in role $failed_role: ${detail:-no rank reported an error (killed?)}\" >&2",
+        "fi",
+        "detail=$(printf '%s' \"$detail\" | tr -d '\"\\\\')  # keep the JSON below valid",
+        "tmp=\"$RUN_DIR/.job_exit.json.$$\"",
+        "printf '{\"job_id\": \"%s\", \"restart\": %s, \"exit_code\": %s, \"failed_role\": \"%s\", \"detail\": \"%s\"}\\n' \\",
+        "    \"$SLURM_JOB_ID\" \"$HPC_RL_RESTART\" \"$status\" \"$failed_role\" \"$detail\" > \"$tmp\" && mv \"$tmp\" \"$RUN_DIR/job_exit.json\"",
+        "exit $status",
+    ]
+    return body
