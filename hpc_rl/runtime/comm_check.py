@@ -7,6 +7,7 @@ numbers and reports what it saw. It exercises exactly the groups the RL loop use
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Dict
 
@@ -17,7 +18,9 @@ import torch.distributed as dist
 def run(ctx) -> Dict[str, Any]:
     ident, groups, plan = ctx.ident, ctx.groups, ctx.plan
     out: Dict[str, Any] = {"role": ident.role, "role_rank": ident.role_rank, "global_rank": ident.global_rank,
-                           "node": ident.node, "device": ctx.device}
+                           "node": ident.node, "device": ctx.device, "timing": dict(ctx.timing),
+                           # where Slurm's topology plugin put this task (spine.rack1.node1), if it says
+                           "topology_addr": os.environ.get("SLURM_TOPOLOGY_ADDR")}
 
     # role group: sum of (role_rank + 1) over the role is n(n+1)/2
     t0 = time.perf_counter()

@@ -14,6 +14,9 @@ import logging
 import os
 import sys
 import time
+
+# when this rank's interpreter started, before the heavy imports (launch benchmark)
+os.environ.setdefault("HPC_RL_T_START", repr(time.time()))
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +41,7 @@ class RankContext:
     groups: Any
     device: str
     log: logging.Logger
+    timing: dict  # wall-clock seconds since the epoch: process_start, rendezvoused
 
 
 def load_run(run_dir: Path) -> tuple:
@@ -87,12 +91,11 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     rendezvous(store, ident, plan, timeout)
     groups = build_groups(store, ident, plan, timeout)
     log.info("rendezvoused with %d ranks in %.2fs", ident.world_size, time.perf_counter() - t0)
-    # for the launch benchmark: when this rank was ready (wall clock, comparable across ranks)
-    store.set(f"ready/{ident.restart}/{ident.global_rank}", repr(time.time()))
+    timing = {"process_start": float(environ.get("HPC_RL_T_START") or time.time()), "rendezvoused": time.time()}
     maybe_inject_failure(cfg, ident)
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
-    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log)
+    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing)
     result = PROGRAMS[cfg.run.program]()(ctx)
     _shutdown()
     return result

@@ -62,6 +62,9 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
     def register_run_dir(self, job_id: str, run_dir: Path) -> None:
         self.run_dirs[job_id] = Path(run_dir)
 
+    def get_state(self, job_id: str, mode: str = "standard") -> str:
+        return str(self.get_info(job_id, mode=mode).get("State") or "UNKNOWN")
+
     def _query(self, ids: tp.List[str]) -> tp.Dict[str, tp.Dict[str, str]]:
         """component id -> state, for the leaders in `ids`."""
         out: tp.Dict[str, tp.Dict[str, str]] = {}
@@ -114,6 +117,8 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
             if rec is not None:  # Slurm forgot the job; the batch shell left its outcome
                 state = "COMPLETED" if int(rec.get("exit_code", 1)) == 0 else "FAILED"
                 self._info_dict[jid] = {"State": state, "components": {}, "exit": rec}  # type: ignore[dict-item]
+            else:  # neither Slurm nor the run directory knows it (yet): say so, keep no stale state
+                self._info_dict[jid] = {"State": "UNKNOWN", "components": {}}  # type: ignore[dict-item]
         self._last_status_check = _time.time()
         for jid in ids:
             if self.is_done(jid, mode="cache"):
@@ -169,13 +174,18 @@ class HetJob(submitit_core.Job[tp.Any]):
         return out
 
     def failure(self) -> tp.Optional[str]:
-        """The first failed role and rank with its error line, or None."""
-        for role, rows in self.role_outcomes().items():
+        """The failed role and rank with its error line, or None. The role the batch shell saw
+        fail first comes first: its peers' later errors (connection closed) are consequences."""
+        rec = self.exit_record()
+        outcomes = self.role_outcomes()
+        first = rec.get("failed_role") if rec else None
+        order = sorted(outcomes, key=lambda role: role != first)
+        for role in order:
+            rows = outcomes[role]
             for rank, (outcome, value) in enumerate(rows):
                 if outcome == "error":
                     last = str(value).strip().splitlines()[-1] if value else "error"
                     return f"{role}:{rank}: {last}"
-        rec = self.exit_record()
         if rec and int(rec.get("exit_code", 0)) != 0:
             return f"{rec.get('failed_role') or 'a role'} failed (exit {rec.get('exit_code')}): {rec.get('detail') or 'no error recorded'}"
         return None

@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+# when this task's interpreter started, before the heavy imports (launch benchmark)
+os.environ.setdefault("HPC_RL_T_START", repr(time.time()))
 from pathlib import Path
 
 from submitit.core import utils as submitit_utils

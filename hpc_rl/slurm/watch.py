@@ -20,19 +20,28 @@ def status_line(job: HetJob, states: Dict[str, str], t0: float) -> str:
     return f"[{time.monotonic() - t0:6.1f}s] job {job.job_id} ({job.watcher.source}): {cells}"
 
 
-def follow(job: HetJob, poll_s: float = 2.0, timeout_s: Optional[float] = None, echo: Callable[[str], None] = print) -> str:
-    """Block until the job ends, printing per-role states as they change; returns the final state."""
+def follow(job: HetJob, poll_s: float = 2.0, timeout_s: Optional[float] = None, echo: Callable[[str], None] = print,
+           lost_after_s: float = 60.0) -> str:
+    """Block until the job ends, printing per-role states as they change; returns the final
+    state. A job Slurm no longer lists and that left no exit record counts as lost
+    (UNKNOWN) after `lost_after_s`."""
     t0 = time.monotonic()
     last = None
+    unknown_since: Optional[float] = None
     while True:
         states = job.component_states(force=True)
-        overall = job.state
-        line = status_line(job, states, t0)
+        overall = job.watcher.get_state(job.job_id, mode="cache")
         if (states, overall) != last:
-            echo(line)
+            echo(status_line(job, states, t0))
             last = (states, overall)
-        if overall in TERMINAL or job.done():
-            return job.watcher.get_state(job.job_id, mode="force")
+        if overall in TERMINAL:
+            return overall
+        if overall == "UNKNOWN":
+            unknown_since = unknown_since or time.monotonic()
+            if time.monotonic() - unknown_since > lost_after_s:
+                return overall
+        else:
+            unknown_since = None
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"job {job.job_id} still {overall} after {timeout_s:.0f}s")
         time.sleep(poll_s)
