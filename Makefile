@@ -28,8 +28,9 @@ test: setup cluster-up
 test-fast: setup
 	$(PY) -m pytest -m "not slurm and not gpu and not slow"
 
-bench: setup
+bench: setup cluster-up
 	$(PY) bench/plan.py
+	$(PY) bench/launch.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-# when this rank's interpreter started, before the heavy imports (launch benchmark)
-os.environ.setdefault("HPC_RL_T_START", repr(time.time()))
+if __name__ == "__main__":  # when this rank's interpreter started, before heavy imports (launch benchmark)
+    os.environ["HPC_RL_T_START"] = repr(time.time())
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -41,7 +41,7 @@ class RankContext:
     groups: Any
     device: str
     log: logging.Logger
-    timing: dict  # wall-clock seconds since the epoch: process_start, rendezvoused
+    timing: dict  # wall-clock seconds since the epoch: process_start, imported, rendezvoused
 
 
 def load_run(run_dir: Path) -> tuple:
@@ -72,8 +72,10 @@ def maybe_inject_failure(cfg: RunConfig, ident: RankIdentity) -> None:
 
 
 def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
-    from .groups import build_groups, configure_device
+    from .groups import build_groups, configure_device  # imports torch: most of a rank's start-up
     from .rendezvous import connect_store, rendezvous
+
+    t_imported = time.time()
 
     run_path = Path(run_dir)
     cfg, plan = load_run(run_path)
@@ -91,7 +93,8 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     rendezvous(store, ident, plan, timeout)
     groups = build_groups(store, ident, plan, timeout)
     log.info("rendezvoused with %d ranks in %.2fs", ident.world_size, time.perf_counter() - t0)
-    timing = {"process_start": float(environ.get("HPC_RL_T_START") or time.time()), "rendezvoused": time.time()}
+    timing = {"process_start": float(environ.get("HPC_RL_T_START") or t_imported), "imported": t_imported,
+              "rendezvoused": time.time()}
     maybe_inject_failure(cfg, ident)
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")

@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-# when this task's interpreter started, before the heavy imports (launch benchmark)
-os.environ.setdefault("HPC_RL_T_START", repr(time.time()))
+if __name__ == "__main__":  # when this task's interpreter started, before heavy imports (launch benchmark)
+    os.environ["HPC_RL_T_START"] = repr(time.time())
 from pathlib import Path
 
 from submitit.core import utils as submitit_utils
