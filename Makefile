@@ -30,6 +30,7 @@ test-fast: setup
 
 bench: setup cluster-up
 	$(PY) bench/plan.py
+	$(PY) bench/placement.py
 	$(PY) bench/launch.py
 
 cluster-up:

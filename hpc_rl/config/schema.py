@@ -54,6 +54,11 @@ class ClusterConfig:
     qos: Optional[str] = None
     max_nodes: Optional[int] = None  # nodes the cluster (or partition) has; None: unknown
     exclusive: bool = True  # jobs take whole nodes (GPU clusters); the local clusters share theirs
+    # Where NVLink domains are (see hpc_rl/plan/topology.py for the order of sources):
+    domains: Dict[str, List[str]] = field(default_factory=dict)  # domain -> node names / hostlists
+    domain_pattern: Optional[str] = None  # regex with (?P<domain>...) over host names
+    # Fail before training when no trusted source places the nodes (NVL72: EP across racks stalls).
+    require_topology: bool = False
 
 
 @dataclass

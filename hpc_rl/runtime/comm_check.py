@@ -44,7 +44,28 @@ def run(ctx) -> Dict[str, Any]:
             raise RuntimeError(f"{ident}: broadcast over {name} delivered {buf.tolist()[:4]}..., expected {payload.tolist()[:4]}...")
         received[name] = float(buf.sum())
     out["broadcasts"] = received
+    out["ep_group"] = _ep_group_check(ctx)
     dist.barrier(group=groups.world)
     out["seconds"] = time.perf_counter() - t0
     ctx.log.info("comm_check ok: role all-reduce %s, broadcasts %s", out["role_allreduce"], sorted(received))
     return out
+
+
+def _ep_group_check(ctx) -> Dict[str, Any]:
+    """Trainer EP groups (consecutive placed ranks, expert tensor parallel innermost): each
+    member reports where it runs, so a test or an operator sees whether a group straddles
+    domains. Every rank enters every new_group call, members or not."""
+    plan, cfg, ident = ctx.plan, ctx.cfg, ctx.ident
+    trainer = plan.roles[0]
+    size = trainer.parallel["ep"] * cfg.trainer.parallel.etp
+    if size <= 1 or trainer.tasks % size:
+        return {}
+    mine: Dict[str, Any] = {}
+    for start in range(0, trainer.tasks, size):
+        ranks = list(range(start, start + size))  # the trainer's global ranks start at 0
+        pg = dist.new_group(ranks, backend="gloo")
+        if ident.global_rank in ranks:
+            where = [None] * size
+            dist.all_gather_object(where, {"node": ident.node, "topology_addr": os.environ.get("SLURM_TOPOLOGY_ADDR")}, group=pg)
+            mine = {"ranks": ranks, "members": where}
+    return mine

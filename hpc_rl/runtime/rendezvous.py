@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -44,9 +44,12 @@ def connect_store(ident: RankIdentity, plan: JobPlan, addr: str, port: int, time
             time.sleep(0.5)
 
 
-def rendezvous(store: dist.TCPStore, ident: RankIdentity, plan: JobPlan, timeout_s: float) -> Dict[int, dict]:
-    """Announce this rank, wait for all; returns every rank's announcement by global rank."""
-    me = {"role": ident.role, "role_rank": ident.role_rank, "node": ident.node, "local_rank": ident.local_rank}
+def rendezvous(store: dist.TCPStore, ident: RankIdentity, plan: JobPlan, timeout_s: float,
+               facts: Optional[dict] = None) -> Dict[int, dict]:
+    """Announce this rank (and its node's topology facts), wait for all; returns every
+    rank's announcement by (provisional, Slurm-order) global rank."""
+    me = {"role": ident.role, "role_rank": ident.role_rank, "node": ident.node, "local_rank": ident.local_rank,
+          **(facts or {})}
     store.set(f"rdzv/{ident.restart}/{ident.global_rank}", json.dumps(me))
     store.add(f"rdzv/{ident.restart}/arrived", 1)
     deadline = time.monotonic() + timeout_s

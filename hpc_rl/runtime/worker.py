@@ -42,6 +42,7 @@ class RankContext:
     device: str
     log: logging.Logger
     timing: dict  # wall-clock seconds since the epoch: process_start, imported, rendezvoused
+    placement: Any  # hpc_rl.plan.placement.JobPlacement: how segments landed on domains
 
 
 def load_run(run_dir: Path) -> tuple:
@@ -73,6 +74,7 @@ def maybe_inject_failure(cfg: RunConfig, ident: RankIdentity) -> None:
 
 def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     from .groups import build_groups, configure_device  # imports torch: most of a rank's start-up
+    from .placement import compute_placement, node_facts, placed_identity, write_report
     from .rendezvous import connect_store, rendezvous
 
     t_imported = time.time()
@@ -90,7 +92,15 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     log.info("starting %s on %s; rendezvous at %s:%d (restart %d)", ident, device, addr, port, ident.restart)
     t0 = time.perf_counter()
     store = connect_store(ident, plan, addr, port, timeout)
-    rendezvous(store, ident, plan, timeout)
+    announced = rendezvous(store, ident, plan, timeout, facts=node_facts())
+    placement, mapping = compute_placement(cfg, plan, announced, run_path, ident.restart)
+    ident = placed_identity(ident, mapping, plan)
+    if placement.roles or ident.global_rank == 0:
+        log.info("placement: topology source %s (%s); %s", placement.source, placement.detail,
+                 "; ".join(f"{r}: segments in {sorted(set(p.segment_domains))}" for r, p in placement.roles.items())
+                 or "no role has multi-node segments")
+    if placement.roles and ident.global_rank == 0:
+        write_report(run_path, ident.restart, placement)
     groups = build_groups(store, ident, plan, timeout)
     log.info("rendezvoused with %d ranks in %.2fs", ident.world_size, time.perf_counter() - t0)
     timing = {"process_start": float(environ.get("HPC_RL_T_START") or t_imported), "imported": t_imported,
@@ -98,7 +108,7 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     maybe_inject_failure(cfg, ident)
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
-    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing)
+    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement)
     result = PROGRAMS[cfg.run.program]()(ctx)
     _shutdown()
     return result

@@ -169,6 +169,8 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "# A port from the job id and restart count: a requeued job never meets its old store.",
         'job_digits=$(echo "$SLURM_JOB_ID" | tr -cd 0-9)',
         "export HPC_RL_MASTER_PORT=$(( 20000 + (10#${job_digits:-0} * 131 + HPC_RL_RESTART * 17) % 30000 ))",
+        "# The switch/block topology for the ranks' placement (containers have no scontrol).",
+        'scontrol show topology > "$RUN_DIR/topology.$HPC_RL_RESTART.txt" 2>/dev/null || true',
         'echo "hpc_rl: job $SLURM_JOB_ID restart $HPC_RL_RESTART started at $(date +%s.%N), run dir $RUN_DIR, store $HPC_RL_MASTER_ADDR:$HPC_RL_MASTER_PORT"',
         "",
         "# Time limit near: note it for the ranks (they checkpoint on it).",
