@@ -46,17 +46,25 @@ def run_and_record(run_dir: Path, fn: Callable[[], Any]) -> int:
     role = os.environ.get("HPC_RL_ROLE", "unknown")
     rank = os.environ.get("HPC_RL_ROLE_RANK") or os.environ.get("SLURM_PROCID") or "?"
     restart = os.environ.get("HPC_RL_RESTART") or os.environ.get("SLURM_RESTART_COUNT") or "0"
-    paths = result_paths(run_dir, job_id, _global_rank(run_dir))
-    paths.folder.mkdir(parents=True, exist_ok=True)
+    provisional = _global_rank(run_dir)
+
+    def paths() -> submitit_utils.JobPaths:
+        # placement may renumber ranks at rendezvous (HPC_RL_PLACED_RANK): task k of the
+        # submitit job is then global rank k of the placed job
+        placed = os.environ.get("HPC_RL_PLACED_RANK")
+        p = result_paths(run_dir, job_id, int(placed) if placed else provisional)
+        p.folder.mkdir(parents=True, exist_ok=True)
+        return p
+
     try:
         result = fn()
     except BaseException:
         tb = traceback.format_exc()
-        record_failure(run_dir, role, rank, restart, tb)
-        with submitit_utils.temporary_save_path(paths.result_pickle) as tmp:
+        record_failure(run_dir, role, os.environ.get("HPC_RL_PLACED_ROLE_RANK") or rank, restart, tb)
+        with submitit_utils.temporary_save_path(paths().result_pickle) as tmp:
             submitit_utils.cloudpickle_dump(("error", tb), tmp)
         print(tb, file=sys.stderr, flush=True)
         return 1
-    with submitit_utils.temporary_save_path(paths.result_pickle) as tmp:
+    with submitit_utils.temporary_save_path(paths().result_pickle) as tmp:
         submitit_utils.cloudpickle_dump(("success", result), tmp)
     return 0

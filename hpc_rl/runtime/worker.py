@@ -95,6 +95,9 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     announced = rendezvous(store, ident, plan, timeout, facts=node_facts())
     placement, mapping = compute_placement(cfg, plan, announced, run_path, ident.restart)
     ident = placed_identity(ident, mapping, plan)
+    # results and error reports are filed under the placed ranks
+    os.environ["HPC_RL_PLACED_RANK"] = str(ident.global_rank)
+    os.environ["HPC_RL_PLACED_ROLE_RANK"] = str(ident.role_rank)
     if placement.roles or ident.global_rank == 0:
         log.info("placement: topology source %s (%s); %s", placement.source, placement.detail,
                  "; ".join(f"{r}: segments in {sorted(set(p.segment_domains))}" for r, p in placement.roles.items())

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from .executor import HetJob, job_from_run_dir
+from .executor import TERMINAL_BAD, HetJob, job_from_run_dir
 
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+TERMINAL = ("COMPLETED", *TERMINAL_BAD)
 
 
 def status_line(job: HetJob, states: Dict[str, str], t0: float) -> str:

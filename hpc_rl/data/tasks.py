@@ -1,0 +1,97 @@
+"""Synthetic tasks small enough for tiny models to learn: addition, multiplication, reversal.
+
+Every generator is a pure function of its seed (its own `random.Random`, never the global
+one), so a test, a smoke run and a resumed run all see the same prompts. Each sample is a
+dict in the dataset's row format: {"prompt", "answer", "agent", "task"}.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Union
+
+ADD_TEMPLATES = (
+    "What is {a} plus {b}?",
+    "Add {a} and {b}.",
+    "Compute {a} + {b}.",
+    "Tom has {a} apples and finds {b} more. How many apples does he have?",
+)
+MUL_TEMPLATES = (
+    "What is {a} times {b}?",
+    "Multiply {a} by {b}.",
+    "Compute {a} * {b}.",
+    "A box holds {a} pens. How many pens are in {b} boxes?",
+)
+REVERSE_TEMPLATES = (
+    "Reverse the word '{w}'.",
+    "Write '{w}' backwards.",
+    "Spell the word '{w}' in reverse order.",
+)
+# Short, common words whose reversals are not themselves words the model might recall.
+WORDS = (
+    "apple", "river", "stone", "cloud", "tiger", "lemon", "chair", "bread", "plant", "mouse",
+    "green", "light", "sugar", "water", "paper", "horse", "music", "table", "clock", "dream",
+    "cat", "dog", "sun", "tree", "fish", "bird", "book", "milk", "rain", "snow",
+)
+
+
+def addition(n: int, seed: int = 0) -> List[dict]:
+    """Two 2-digit operands (10..99): sums stay below 200."""
+    rng = random.Random(f"addition:{seed}")
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        prompt = rng.choice(ADD_TEMPLATES).format(a=a, b=b)
+        out.append({"prompt": prompt, "answer": str(a + b), "agent": "add_agent", "task": "addition"})
+    return out
+
+
+def multiplication(n: int, seed: int = 0) -> List[dict]:
+    """A 2-digit operand times a 1-digit one (2..9): products stay below 900."""
+    rng = random.Random(f"multiplication:{seed}")
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(2, 9)
+        prompt = rng.choice(MUL_TEMPLATES).format(a=a, b=b)
+        out.append({"prompt": prompt, "answer": str(a * b), "agent": "mul_agent", "task": "multiplication"})
+    return out
+
+
+def reverse(n: int, seed: int = 0) -> List[dict]:
+    rng = random.Random(f"reverse:{seed}")
+    out = []
+    for _ in range(n):
+        w = rng.choice(WORDS)
+        prompt = rng.choice(REVERSE_TEMPLATES).format(w=w)
+        out.append({"prompt": prompt, "answer": w[::-1], "agent": "reverse_agent", "task": "reverse"})
+    return out
+
+
+GENERATORS: Dict[str, Callable[[int, int], List[dict]]] = {
+    "addition": addition,
+    "multiplication": multiplication,
+    "reverse": reverse,
+}
+
+
+def mixed(n_per_task: int, seed: int = 0, tasks: Iterable[str] = tuple(GENERATORS)) -> List[dict]:
+    """n_per_task samples of each task, interleaved, each with a stable id ("<task>-<i>")."""
+    per_task = []
+    for name in tasks:
+        if name not in GENERATORS:
+            raise ValueError(f"unknown task {name!r}; known tasks: {sorted(GENERATORS)}")
+        rows = GENERATORS[name](n_per_task, seed)
+        per_task.append([dict(row, id=f"{name}-{i}") for i, row in enumerate(rows)])
+    return [row for group in zip(*per_task) for row in group]
+
+
+def write_jsonl(path: Union[str, Path], samples: Iterable[dict]) -> Path:
+    """One JSON object per line; parent directories are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    return path
