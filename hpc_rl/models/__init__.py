@@ -1,0 +1,1 @@
+"""Training/inference backends and the tiny model assets built on this machine."""

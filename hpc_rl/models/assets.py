@@ -1,0 +1,194 @@
+"""Tiny Llama-architecture models built and briefly trained on this CPU, cached on disk.
+
+A student that has seen a little of every task, and one teacher per task that has seen
+a lot of its own: the smallest setting in which multi-teacher distillation has something
+to do (each teacher is better than the student on its task, and only on its task).
+Everything is deterministic for a spec, so the cache key is the spec's hash; a build
+goes to a temporary directory renamed into place when complete.
+
+    python -m hpc_rl.models.assets            # build (or find) the assets, print where
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hpc_rl.data import tasks as task_gen
+
+from .tokenizer import build_tokenizer
+
+ASSET_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hidden: int = 128
+    intermediate: int = 384
+    layers: int = 4
+    heads: int = 4
+    max_positions: int = 256
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    tasks: Tuple[str, ...]
+    steps: int
+    batch: int = 64
+    lr: float = 2e-3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class AssetSpec:
+    model: ModelSpec = ModelSpec()
+    # name -> what it is trained on; the student sees every task, briefly
+    models: Tuple[Tuple[str, TrainSpec], ...] = (
+        ("student", TrainSpec(("addition", "multiplication"), steps=120, seed=1)),
+        ("teacher_add", TrainSpec(("addition",), steps=1500, seed=2)),
+        ("teacher_mul", TrainSpec(("multiplication",), steps=1500, seed=3)),
+    )
+    eval_samples: int = 64
+
+    def key(self) -> str:
+        blob = json.dumps([ASSET_VERSION, dataclasses.asdict(self)], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("HPC_RL_ASSETS", Path.home() / ".cache" / "hpc_rl" / "assets"))
+
+
+def chat_prompt(tok, prompt: str) -> List[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_sft(tok, sample: dict) -> Tuple[List[int], List[int]]:
+    """(input ids, labels): the loss covers the answer and its <|end|>, not the prompt."""
+    prompt = chat_prompt(tok, sample["prompt"])
+    answer = tok(sample["answer"] + "<|end|>", add_special_tokens=False)["input_ids"]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def _batch(tok, samples: Sequence[dict]) -> Dict[str, torch.Tensor]:
+    encoded = [encode_sft(tok, s) for s in samples]
+    width = max(len(ids) for ids, _ in encoded)
+    ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(encoded), width), dtype=torch.long)
+    for i, (x, y) in enumerate(encoded):
+        ids[i, :len(x)] = torch.tensor(x)
+        labels[i, :len(y)] = torch.tensor(y)
+        attn[i, :len(x)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": attn}
+
+
+def new_model(spec: ModelSpec, vocab_size: int, tok, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+                      max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False, torch_dtype="float32")
+    return LlamaForCausalLM(cfg)
+
+
+def sft(model, tok, train: TrainSpec, log: Callable[[str], None] = print) -> float:
+    """Supervised training on freshly drawn task samples; returns the last loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=train.lr, total_steps=train.steps, pct_start=0.1)
+    per_task = train.batch // len(train.tasks)
+    model.train()
+    loss_val = float("nan")
+    for step in range(train.steps):
+        samples = [s for t in train.tasks for s in task_gen.GENERATORS[t](per_task, seed=train.seed * 100003 + step)]
+        out = model(**_batch(tok, samples))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_val = out.loss.item()
+        if step % 250 == 0 or step == train.steps - 1:
+            log(f"  step {step + 1}/{train.steps} loss {loss_val:.3f}")
+    model.eval()
+    return loss_val
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, task: str, n: int, seed: int = 10_000) -> float:
+    """Held-out greedy accuracy on a task (exact answer before <|end|>)."""
+    from hpc_rl.envs.registry import score
+
+    samples = task_gen.GENERATORS[task](n, seed=seed)
+    end = tok.convert_tokens_to_ids("<|end|>")
+    correct = 0
+    for s in samples:
+        ids = torch.tensor([chat_prompt(tok, s["prompt"])])
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=end, pad_token_id=tok.pad_token_id)
+        text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        correct += score(task, text, s["answer"]).correct
+    return correct / n
+
+
+@dataclass
+class Assets:
+    root: Path
+    paths: Dict[str, Path] = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Path:
+        return self.paths[name]
+
+
+def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log: Callable[[str], None] = print) -> Assets:
+    """Find the cached assets for `spec`, or build them (about a minute on 2 cores)."""
+    root = Path(root or default_root())
+    final = root / f"tiny-{spec.key()}"
+    if (final / "manifest.json").exists():
+        manifest = json.loads((final / "manifest.json").read_text())
+        return Assets(final, {name: final / name for name in manifest["models"]}, manifest)
+    tmp = root / f".tiny-{spec.key()}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    tok = build_tokenizer(tmp / "tokenizer")
+    manifest: dict = {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec), "models": {}}
+    all_tasks = sorted({t for _, tr in spec.models for t in tr.tasks})
+    for name, train in spec.models:
+        log(f"[assets] training {name} on {', '.join(train.tasks)} ({train.steps} steps)")
+        model = new_model(spec.model, len(tok), tok, train.seed)
+        loss = sft(model, tok, train, log)
+        acc = {t: greedy_accuracy(model, tok, t, spec.eval_samples) for t in all_tasks}
+        model.save_pretrained(tmp / name, safe_serialization=True)
+        tok.save_pretrained(tmp / name)  # every checkpoint is self-contained (vLLM loads its tokenizer)
+        manifest["models"][name] = {"tasks": list(train.tasks), "final_loss": loss, "greedy_accuracy": acc,
+                                    "params": sum(p.numel() for p in model.parameters())}
+        log(f"[assets] {name}: loss {loss:.3f}, greedy accuracy {acc}")
+    manifest["build_seconds"] = time.time() - t0
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process finished first: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return build_assets(spec, root, log)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    assets = build_assets()
+    print(json.dumps({"root": str(assets.root), **assets.manifest["models"]}, indent=2))
+    sys.exit(0)

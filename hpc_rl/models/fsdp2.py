@@ -1,0 +1,139 @@
+"""The torch FSDP2 training backend (gloo on CPU, NCCL on GPU), loading HF checkpoints.
+
+One class serves the trainer (optimizer, schedule, clipping) and the teachers
+(`train=False`: inference only, no optimizer state). Log-probs follow one convention
+across hpc_rl: for right-padded [B, T] token ids, position i holds the log-prob of token
+i given tokens < i, and position 0 holds 0 (nothing predicts the first token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def check_checkpoint(path: str) -> dict:
+    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2
+    checkpoint with its tokenizer; returns its config."""
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json; model.path must be a Hugging Face checkpoint directory")
+    cfg = json.loads((p / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')} is not supported; "
+                              f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model); save the tokenizer beside the weights")
+    if not any(p.glob("*.safetensors")):
+        raise CheckpointError(f"{path}: no *.safetensors weights")
+    return cfg
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] logits, [B, T] ids -> [B, T] with out[:, i] = log p(ids[:, i] | ids[:, :i]), out[:, 0] = 0."""
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    warmup_start_lr: float = 0.0
+
+
+def lr_at(step: int, o: OptimConfig) -> float:
+    """Constant after a linear warmup from warmup_start_lr to lr over warmup_steps."""
+    if o.warmup_steps <= 0 or step >= o.warmup_steps:
+        return o.lr
+    return o.warmup_start_lr + (o.lr - o.warmup_start_lr) * step / o.warmup_steps
+
+
+class FSDP2Backend:
+    def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
+                 optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu"):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        check_checkpoint(model_path)
+        self.device = torch.device(device)
+        self.precision = precision
+        # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
+        self.sharded = group is not None and dist.get_world_size(group) > 1
+        if self.sharded:
+            mesh = DeviceMesh.from_group(group, device_type=self.device.type)
+            mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = model
+        self.optim_cfg = optim or OptimConfig()
+        self.step_count = 0
+        self.optimizer = None
+        if train:
+            o = self.optim_cfg
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
+                                               weight_decay=o.weight_decay)
+        else:
+            model.eval()
+            model.requires_grad_(False)
+
+    def _autocast(self):
+        if self.sharded or self.precision == "fp32":
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
+        return token_logprobs(logits, input_ids.to(self.device))
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.forward_logprobs(input_ids, attention_mask)
+
+    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_fn: Callable[[torch.Tensor], Tuple[torch.Tensor, Dict[str, float]]]) -> Dict[str, float]:
+        """One optimizer step on `loss_fn(logprobs)`; returns its metrics plus lr and grad norm."""
+        assert self.optimizer is not None, "inference-only backend (train=False) has no optimizer"
+        self.model.train()
+        lr = lr_at(self.step_count, self.optim_cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss, metrics = loss_fn(self.forward_logprobs(input_ids, attention_mask))
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        # DTensor norms come back as DTensors on sharded models
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        return {**metrics, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(norm)}
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The whole model's weights by HF name, on CPU (every rank gets them; for refit)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not self.sharded:
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                         broadcast_from_rank0=False))
