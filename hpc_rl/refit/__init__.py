@@ -1,0 +1,1 @@
+"""Refit: moving trainer weights into the generators' vLLM engines."""
