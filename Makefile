@@ -32,6 +32,7 @@ bench: setup cluster-up
 	$(PY) bench/plan.py
 	$(PY) bench/placement.py
 	$(PY) bench/launch.py
+	$(PY) bench/logprob_agreement.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up

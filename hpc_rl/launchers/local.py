@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, List, Optional
 
-from hpc_rl.plan.job_plan import JobPlan
+from hpc_rl.plan.job_plan import JobPlan, error_report_path, role_file_name
 
 FAILED_ROLE_EXIT_BASE = 10
 
@@ -66,7 +66,7 @@ def _stop(ranks: List[Rank], grace_s: float) -> None:
 
 
 def _error_line(run_dir: Path, role: str, rank: int) -> str:
-    path = run_dir / "errors" / f"{role.replace('/', '-')}.{rank}.0.txt"
+    path = error_report_path(run_dir, role, rank, 0)
     if path.exists():
         return path.read_text().splitlines()[0]
     return f"{role}:{rank}: no error recorded (killed?)"
@@ -95,7 +95,7 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for k, role in enumerate(plan.roles):
-            log = role.name.replace("/", "-")
+            log = role_file_name(role.name)
             out = open(logs_dir / f"{log}.0.out", "a")
             err = open(logs_dir / f"{log}.0.err", "a")
             for node in range(role.nodes):

@@ -7,11 +7,22 @@ refit planner), and what `plan.json` records in each run directory.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List
 
 from hpc_rl.config.resources import derived_dp, derived_segment, gpus_per_node, role_sections, tasks_per_node, teacher_groups
 from hpc_rl.config.schema import RunConfig
+
+
+def role_file_name(role: str) -> str:
+    """A role's name in file names (logs, error reports): teacher/math -> teacher-math."""
+    return role.replace("/", "-")
+
+
+def error_report_path(run_dir: Path, role: str, rank, restart) -> Path:
+    """Where a failed rank leaves its traceback; launchers read it to name the failure."""
+    return Path(run_dir) / "errors" / f"{role_file_name(role)}.{rank}.{restart}.txt"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from submitit.core import utils as submitit_utils
 
+from hpc_rl.plan.job_plan import error_report_path
+
 
 def submitit_folder(run_dir: Path) -> Path:
     return Path(run_dir) / "submitit"
@@ -39,9 +41,14 @@ def _global_rank(run_dir: Path) -> int:
         return -1
 
 
-def run_and_record(run_dir: Path, fn: Callable[[], Any]) -> int:
-    from .worker import record_failure
+def record_failure(run_dir: Path, role: str, rank: str, restart: str, tb: str) -> None:
+    path = error_report_path(run_dir, role, rank, restart)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    path.write_text(f"{role}:{rank}: {last}\n\n{tb}")
 
+
+def run_and_record(run_dir: Path, fn: Callable[[], Any]) -> int:
     job_id = os.environ.get("HPC_RL_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"
     role = os.environ.get("HPC_RL_ROLE", "unknown")
     rank = os.environ.get("HPC_RL_ROLE_RANK") or os.environ.get("SLURM_PROCID") or "?"

@@ -4,7 +4,7 @@ It reads the run directory (config.yaml, plan.json: never Hydra state), learns i
 identity from the launcher's environment, meets the other ranks, builds the process
 groups, and runs `run.program`. Its outcome is written as a submitit result pickle
 (`("success", result)` or `("error", traceback)`) so submitit job handles read it, and a
-failure also leaves `errors/<role>.<rank>.<restart>.txt` naming role and rank.
+failure also leaves `errors/<role>.<rank>.<restart>.txt` naming role and rank (results.py).
 """
 
 from __future__ import annotations
@@ -122,13 +122,6 @@ def _shutdown() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def record_failure(run_dir: Path, role: str, rank: str, restart: str, tb: str) -> None:
-    errors = run_dir / "errors"
-    errors.mkdir(parents=True, exist_ok=True)
-    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
-    (errors / f"{role.replace('/', '-')}.{rank}.{restart}.txt").write_text(f"{role}:{rank}: {last}\n\n{tb}")
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -39,10 +39,6 @@ def version_at_least(version: str, minimum: str) -> bool:
     return parts(version) >= parts(minimum)
 
 
-def log_name(role: str) -> str:
-    return role.replace("/", "-")
-
-
 def placement_options(cfg: RunConfig, role: RolePlan) -> List[str]:
     """Keep each segment of a role inside one NVLink domain (block) or leaf switch (tree)."""
     cl = cfg.cluster
