@@ -69,10 +69,35 @@ def reverse(n: int, seed: int = 0) -> List[dict]:
     return out
 
 
+def addition_1digit(n: int, seed: int = 0) -> List[dict]:
+    """Single-digit sums with one short template: a 2-layer character-level model learns
+    them in a few hundred steps on a CPU (2-digit sums take thousands), which is what the
+    tiny teachers need. Scored as `addition`."""
+    rng = random.Random(f"addition_1digit:{seed}")
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        out.append({"prompt": f"What is {a} plus {b}?", "answer": str(a + b), "agent": "add_agent", "task": "addition"})
+    return out
+
+
+def multiplication_1digit(n: int, seed: int = 0) -> List[dict]:
+    """Single-digit products (2..9 x 2..9) with one short template. Scored as `multiplication`."""
+    rng = random.Random(f"multiplication_1digit:{seed}")
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        out.append({"prompt": f"What is {a} times {b}?", "answer": str(a * b), "agent": "mul_agent",
+                    "task": "multiplication"})
+    return out
+
+
 GENERATORS: Dict[str, Callable[[int, int], List[dict]]] = {
     "addition": addition,
     "multiplication": multiplication,
     "reverse": reverse,
+    "addition_1digit": addition_1digit,
+    "multiplication_1digit": multiplication_1digit,
 }
 
 

@@ -33,10 +33,11 @@ ASSET_VERSION = 1
 
 @dataclass(frozen=True)
 class ModelSpec:
-    hidden: int = 128
-    intermediate: int = 384
-    layers: int = 4
-    heads: int = 4
+    # head_dim = hidden / heads must be >= 32: vLLM's CPU attention has no kernel for 16
+    hidden: int = 64
+    intermediate: int = 192
+    layers: int = 2
+    heads: int = 2
     max_positions: int = 256
 
 
@@ -53,10 +54,12 @@ class TrainSpec:
 class AssetSpec:
     model: ModelSpec = ModelSpec()
     # name -> what it is trained on; the student sees every task, briefly
+    # Measured here: 400 steps (~15 s) take a teacher to 100% greedy accuracy on its task
+    # and ~0-3% on the other; 2-digit tasks stayed under 8% after 1500 steps.
     models: Tuple[Tuple[str, TrainSpec], ...] = (
-        ("student", TrainSpec(("addition", "multiplication"), steps=120, seed=1)),
-        ("teacher_add", TrainSpec(("addition",), steps=1500, seed=2)),
-        ("teacher_mul", TrainSpec(("multiplication",), steps=1500, seed=3)),
+        ("student", TrainSpec(("addition_1digit", "multiplication_1digit"), steps=40, batch=32, lr=3e-3, seed=1)),
+        ("teacher_add", TrainSpec(("addition_1digit",), steps=400, batch=32, lr=3e-3, seed=2)),
+        ("teacher_mul", TrainSpec(("multiplication_1digit",), steps=400, batch=32, lr=3e-3, seed=3)),
     )
     eval_samples: int = 64
 
@@ -140,7 +143,7 @@ def greedy_accuracy(model, tok, task: str, n: int, seed: int = 10_000) -> float:
         ids = torch.tensor([chat_prompt(tok, s["prompt"])])
         out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=end, pad_token_id=tok.pad_token_id)
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        correct += score(task, text, s["answer"]).correct
+        correct += score(s["task"], text, s["answer"]).correct  # the generator's name may differ from the task's
     return correct / n
 
 
