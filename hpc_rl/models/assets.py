@@ -28,7 +28,7 @@ from hpc_rl.data import tasks as task_gen
 
 from .tokenizer import build_tokenizer
 
-ASSET_VERSION = 1
+ASSET_VERSION = 2  # 2: the tokenizer's eos is <|end|>
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ def build_tokenizer(out_dir: Path):
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     core.add_special_tokens(SPECIAL)
     core.decoder = decoders.Fuse()  # characters join back without separators
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD,
+    # eos is the end of a turn: generation (HF generate, vLLM) must stop at <|end|>, not at </s>
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token="<|end|>", unk_token=UNK, pad_token=PAD,
                                   additional_special_tokens=ROLE_TOKENS)
     tok.chat_template = CHAT_TEMPLATE
     tok.padding_side = "right"

@@ -1,0 +1,25 @@
+"""Trainer checkpoints (atomic save, verified resume, retention) and Hugging Face export."""
+
+from hpc_rl.ckpt.checkpoint import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    ResumeScan,
+    apply_retention,
+    capture_rng_state,
+    find_resumable,
+    list_checkpoints,
+    load_checkpoint,
+    model_fingerprint,
+    read_status,
+    restore_rng_state,
+    save_checkpoint,
+    step_dirname,
+    verify_checkpoint,
+)
+from hpc_rl.ckpt.export import export_hf
+
+__all__ = [
+    "CorruptCheckpointError", "IncompatibleCheckpointError", "ResumeScan", "apply_retention", "capture_rng_state",
+    "export_hf", "find_resumable", "list_checkpoints", "load_checkpoint", "model_fingerprint", "read_status",
+    "restore_rng_state", "save_checkpoint", "step_dirname", "verify_checkpoint",
+]

@@ -1,0 +1,125 @@
+"""Export the trainer's weights as a Hugging Face checkpoint directory.
+
+The result (`config.json`, `model.safetensors` or shards plus `model.safetensors.index.json`,
+tokenizer files when given) loads with `AutoModelForCausalLM.from_pretrained` and serves with
+vLLM. Works for plain and FSDP2-sharded backends: the full weights are gathered on every rank
+(`backend.full_state_dict()` is a collective), rank 0 of `group` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+# Tokenizer files a HF tokenizer directory may hold; copied verbatim.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# The size at which HF itself starts a new safetensors shard.
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _tied_output_names(model: torch.nn.Module) -> List[str]:
+    """Names of the output-embedding weights that HF ties to the input embeddings; they are
+    left out, as save_pretrained does, and from_pretrained re-ties them."""
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if not getattr(text_cfg, "tie_word_embeddings", False):
+        return []
+    out = model.get_output_embeddings()
+    return [f"{name}.weight" if name else "weight" for name, m in model.named_modules() if m is out]
+
+
+def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def export_hf(backend, out_dir, tokenizer_dir=None, group: Optional[dist.ProcessGroup] = None,
+              dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              overwrite: bool = False) -> Path:
+    """Write the backend's full weights to `out_dir` as a HF checkpoint; every rank of a sharded
+    backend calls it. `dtype` casts on the way out (e.g. torch.bfloat16 for serving; default:
+    the fp32 master weights). The directory appears atomically (written beside it, then renamed)."""
+    out_dir = Path(out_dir)
+    # A collective on sharded backends: every rank takes part, whichever rank writes.
+    state = backend.full_state_dict()
+    if group is not None and dist.is_initialized() and dist.get_rank(group) != 0:
+        dist.barrier(group=group)
+        return out_dir
+    try:
+        # Rank 0 only; the others wait at the barrier below, which rank 0 reaches even on error
+        # so that a refused export fails the job instead of hanging it.
+        _write(backend.model, state, out_dir, tokenizer_dir, dtype, max_shard_bytes, overwrite)
+    finally:
+        if group is not None and dist.is_initialized():
+            dist.barrier(group=group)
+    return out_dir
+
+
+def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: int, overwrite: bool) -> None:
+    from safetensors.torch import save_file
+
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True or choose another directory")
+    for name in _tied_output_names(model):
+        state.pop(name, None)
+    # safetensors refuses tensors that share storage or are non-contiguous views; clone to own each.
+    state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone() for k, v in state.items()}
+
+    tmp = out_dir.parent / f".tmp_export_{out_dir.name}_{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    try:
+        config = model.config.to_dict()
+        # fully_shard swaps the model's class for a generated FSDP<Name> subclass; name the HF one.
+        config["architectures"] = config.get("architectures") or [type(model).__name__.removeprefix("FSDP")]
+        dtype_name = str(dtype or next(iter(state.values())).dtype).removeprefix("torch.")
+        config["torch_dtype"] = dtype_name
+        if "dtype" in config:
+            config["dtype"] = dtype_name
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(tmp)
+
+        shards = _shards(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+        if tokenizer_dir is not None:
+            tok = Path(tokenizer_dir)
+            copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
+            if not copied:
+                raise FileNotFoundError(f"{tok}: no tokenizer files (looked for {list(TOKENIZER_FILES)})")
+            for f in copied:
+                shutil.copy2(tok / f, tmp / f)
+
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
