@@ -26,13 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_checkpoint(path: Path) -> None:
-    from hpc_rl.models.assets import ModelSpec, new_model
-    from hpc_rl.models.tokenizer import build_tokenizer
+    from hpc_rl.models.assets import ModelSpec, save_untrained
 
-    tok = build_tokenizer(path)
     # head_dim 32: vLLM's CPU attention has no kernel for 16
-    new_model(ModelSpec(hidden=64, intermediate=192, layers=2, heads=2, max_positions=256), len(tok), tok, seed=0) \
-        .save_pretrained(path, safe_serialization=True)
+    save_untrained(path, ModelSpec(hidden=64, intermediate=192, layers=2, heads=2, max_positions=256), seed=0)
 
 
 def train_one_step(trainer, tok) -> float:

@@ -29,9 +29,8 @@ from hpc_rl.ckpt import (
     save_checkpoint,
 )
 from hpc_rl.ckpt import checkpoint as ckpt_mod
-from hpc_rl.models.assets import ModelSpec, new_model
+from hpc_rl.models.assets import ModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig, check_checkpoint
-from hpc_rl.models.tokenizer import build_tokenizer
 
 SPEC = ModelSpec(hidden=32, intermediate=64, layers=2, heads=2, max_positions=64)
 OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=1.0)
@@ -41,10 +40,7 @@ CONFIG_YAML = f"recipe: {RECIPE}\ncheckpoint:\n  every_steps: 2\n  keep_last: 2\
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(path)
-    new_model(SPEC, len(tok), tok, seed=0).save_pretrained(path, safe_serialization=True)
-    return path
+    return save_untrained(tmp_path_factory.mktemp("tiny"), SPEC, seed=0)
 
 
 def _seed_all(seed: int) -> None:

@@ -109,6 +109,14 @@ def new_model(spec: ModelSpec, vocab_size: int, tok, seed: int):
     return LlamaForCausalLM(cfg)
 
 
+def save_untrained(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
+    """A randomly initialised, self-contained checkpoint (weights + tokenizer): for tests and
+    benchmarks that need a real HF directory but no trained behaviour."""
+    tok = build_tokenizer(Path(path))
+    new_model(spec, len(tok), tok, seed).save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
 def sft(model, tok, train: TrainSpec, log: Callable[[str], None] = print) -> float:
     """Supervised training on freshly drawn task samples; returns the last loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
