@@ -17,6 +17,8 @@ from hpc_rl.plan.report import describe
 from hpc_rl.launchers.local import launch_local
 from hpc_rl.launchers.slurm import launch_slurm
 from hpc_rl.run_dir import prepare_run_dir, write_atomic
+from hpc_rl.rl.inputs import check_inputs, write_generated
+from hpc_rl.rl.records import SUMMARY, render_summary
 from hpc_rl.runtime import programs
 from hpc_rl.slurm.preflight import check_slurm
 
@@ -40,6 +42,15 @@ examples:
 def usage() -> str:
     return USAGE.format(recipes=", ".join(available("recipe")), clusters=", ".join(available("cluster")),
                         launchers=", ".join(available("launcher")))
+
+
+def print_summary(run_dir: Path) -> None:
+    import json
+
+    path = Path(run_dir) / SUMMARY
+    if path.exists():
+        print(render_summary(json.loads(path.read_text())))
+        print(f"  metrics: {run_dir / 'metrics.jsonl'}\n  rollouts: {run_dir / 'rollouts.h5'}\n  summary: {path}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -71,6 +82,16 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(available: {programs.available()}); nothing was submitted.\n"
               f"      fix: run.program=comm_check checks this job's wiring; launcher=dry_run shows its plan", file=sys.stderr)
         return 2
+    if name != "dry_run" and cfg.run.program == "rl":
+        try:
+            # models, tokenizers, dataset rows and routing, before anything starts or is written
+            cfg, dataset = check_inputs(cfg)
+        except ConfigError as err:
+            print(f"hpc_rl: {err.render()}", file=sys.stderr)
+            return err.exit_code
+        if dataset.skipped:
+            print(f"hpc_rl: {dataset.skipped} malformed rows of {dataset.path} will be skipped (data.skip_invalid): "
+                  f"first {dataset.errors[0]}", file=sys.stderr)
     if name == "slurm":
         try:
             check_slurm(cfg, plan)  # before the run directory exists: a refused launch leaves nothing
@@ -78,6 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"hpc_rl: {err.render()}", file=sys.stderr)
             return err.exit_code
     run_dir = prepare_run_dir(cfg, plan)
+    if name != "dry_run" and cfg.run.program == "rl":
+        write_generated(cfg, run_dir)
     if name == "slurm":
         print(describe(cfg, plan) + "\n")
         return launch_slurm(cfg, plan, run_dir, overrides)
@@ -89,6 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"  logs: {run_dir / 'logs'}", file=sys.stderr)
         else:
             print(f"[local] all ranks finished in {outcome.seconds:.1f}s; run directory: {run_dir}")
+            print_summary(run_dir)
         return outcome.exit_code
     print(describe(cfg, plan))
     print(f"\nrun directory: {run_dir}")

@@ -246,6 +246,21 @@ class AlgoConfig:
 
 
 @dataclass
+class DataConfig:
+    """The prompts. A JSONL file (rows as hpc_rl/data/dataset.py describes), or synthetic
+    tasks generated into the run directory when `path` is unset."""
+
+    path: Optional[str] = None
+    tasks: List[str] = field(default_factory=lambda: ["addition_1digit", "multiplication_1digit"])
+    samples_per_task: int = 512  # generated rows per task (path unset)
+    skip_invalid: bool = False  # skip (and count) malformed rows instead of failing at launch
+    shuffle: bool = True
+    # Held-out prompts per task scored at the start and the end of the run (greedy accuracy,
+    # reverse KL to the routed teacher); 0 turns the evaluation off.
+    eval_prompts_per_task: int = 32
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 10
     keep_last: int = 2
@@ -280,6 +295,7 @@ class RunConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     container: ContainerConfig = field(default_factory=ContainerConfig)
     ft: FaultConfig = field(default_factory=FaultConfig)

@@ -283,6 +283,22 @@ def check_job(out: List[Violation], cfg: RunConfig) -> None:
     _check_positive(out, "run.max_steps", cfg.run.max_steps)
 
 
+def check_data(out: List[Violation], cfg: RunConfig) -> None:
+    from hpc_rl.data.tasks import GENERATORS  # light: plain Python
+
+    d = cfg.data
+    if d.path is None:
+        if not d.tasks:
+            out.append(Violation("data.tasks", d.tasks, "no dataset: data.path is unset and no task is listed",
+                                 "set data.path=/path/to/prompts.jsonl or data.tasks=[addition_1digit]"))
+        for i, t in enumerate(d.tasks):
+            if t not in GENERATORS:
+                out.append(Violation(f"data.tasks[{i}]", t, "unknown synthetic task", f"choose from {sorted(GENERATORS)}"))
+        _check_positive(out, "data.samples_per_task", d.samples_per_task)
+    if d.eval_prompts_per_task < 0:
+        out.append(Violation("data.eval_prompts_per_task", d.eval_prompts_per_task, "must be >= 0", "0 turns evaluation off"))
+
+
 def check_launch(out: List[Violation], cfg: RunConfig) -> None:
     image = cfg.container.image
     if image is not None and image.endswith(".sqsh") and not image.startswith(("/", "./")):
@@ -313,6 +329,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_generator,
     check_teachers_and_routing,
     check_algo,
+    check_data,
     check_launch,
 ]
 

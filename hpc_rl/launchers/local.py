@@ -72,6 +72,42 @@ def _error_line(run_dir: Path, role: str, rank: int) -> str:
     return f"{role}:{rank}: no error recorded (killed?)"
 
 
+class ProgressDisplay:
+    """The run's progress.json (written by trainer rank 0) as one updating line on a
+    terminal, or one line per change of step when the output is a file."""
+
+    def __init__(self, run_dir: Path, echo):
+        self.run_dir, self.echo, self.last, self.open = run_dir, echo, None, False
+        self.tty = sys.stdout.isatty()
+        self.next_poll = 0.0
+
+    def poll(self) -> None:
+        from hpc_rl.rl.records import progress_line, read_progress
+
+        if time.monotonic() < self.next_poll:
+            return
+        self.next_poll = time.monotonic() + 1.0
+        p = read_progress(self.run_dir)
+        if not p:
+            return
+        line = progress_line(p)
+        key = line if self.tty else (p.get("step"), p.get("phase") if str(p.get("phase", "")).startswith("eval") else "")
+        if key == self.last:
+            return
+        self.last = key
+        if self.tty:
+            sys.stdout.write("\r" + line)
+            sys.stdout.flush()
+            self.open = True
+        else:
+            self.echo(line)
+
+    def close(self) -> None:
+        if self.open:
+            sys.stdout.write("\n")
+            self.open = False
+
+
 def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print) -> LocalOutcome:
     run_dir = Path(run_dir)
     logs_dir = run_dir / "logs"
@@ -109,12 +145,15 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
         echo(f"[local] started {len(ranks)} ranks: " + ", ".join(f"{r.name} x{r.tasks}" for r in plan.roles)
              + f"; logs in {logs_dir}")
         failed: Optional[Rank] = None
+        shown = ProgressDisplay(run_dir, echo)
         while any(r.proc.poll() is None for r in ranks):
+            shown.poll()
             bad = [r for r in ranks if r.proc.poll() not in (None, 0)]
             if bad:
                 failed = bad[0]
                 break
             time.sleep(0.1)
+        shown.close()
         if failed is None:
             failed = next((r for r in ranks if r.proc.returncode != 0), None)
         if failed is not None:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,35 @@ class Rollouts:
     generation_lengths: List[int]
     truncated: List[bool]  # stopped by max_tokens rather than a stop token/string
     texts: List[str]
+
+
+@dataclass
+class SampleRow:
+    """One generated sample as plain lists (cheap to pickle between ranks)."""
+
+    prompt_ids: List[int]
+    response_ids: List[int]
+    logprobs: List[float]  # the sampled tokens' logprobs under the generating engine
+    truncated: bool  # stopped by max_tokens rather than a stop token/string
+    text: str
+
+
+def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:
+    """Right-pad prompt+response rows into one batch; logprob of token i sits at position i."""
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    b = len(rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    resp = torch.zeros((b, width), dtype=torch.bool)
+    glp = torch.zeros((b, width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r.prompt_ids) + len(r.response_ids)
+        ids[i, :n] = torch.tensor(r.prompt_ids + r.response_ids)
+        attn[i, :n] = 1
+        resp[i, p:n] = True
+        glp[i, p:n] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return Rollouts(ids, attn, resp, glp, [len(r.prompt_ids) for r in rows], [len(r.response_ids) for r in rows],
+                    [r.truncated for r in rows], [r.text for r in rows])
 
 
 def tensor_meta(state: Dict[str, torch.Tensor]) -> List[Tuple[str, List[int], str]]:
@@ -55,33 +84,32 @@ class VLLMGenerator:
         return [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                    add_generation_prompt=True) for p in prompts]
 
-    def generate(self, prompts: Sequence[str], temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                 max_tokens: int = 32, stop: Sequence[str] = (), seed: Optional[int] = None) -> Rollouts:
+    def sample(self, prompts: Sequence[str], temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+               max_tokens: int = 32, stop: Sequence[str] = (),
+               seed: Union[None, int, Sequence[int]] = None) -> List[SampleRow]:
+        """One row per prompt: prompt ids, sampled ids with their logprobs, truncation, text.
+        `seed` may be one seed per prompt: a request's sample then depends only on its own
+        seed, not on what else is in the batch (reproducible resumes)."""
         from vllm import SamplingParams
 
-        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, stop=list(stop),
-                            logprobs=0, seed=seed)
-        outs = self.llm.generate(list(prompts), sp, use_tqdm=False)
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                 stop=list(stop), logprobs=0, seed=s) for s in seeds]
+        outs = self.llm.generate(list(prompts), params, use_tqdm=False)
         rows = []
         for o in outs:
             c = o.outputs[0]
-            gen_lp = [next(iter(d.values())).logprob if d else 0.0 for d in (c.logprobs or [])]
-            rows.append((list(o.prompt_token_ids), list(c.token_ids), gen_lp, c.finish_reason == "length", c.text))
-        width = max(len(p) + len(g) for p, g, *_ in rows)
-        b = len(rows)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((b, width), pad, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        resp = torch.zeros((b, width), dtype=torch.bool)
-        glp = torch.zeros((b, width), dtype=torch.float32)
-        for i, (p, g, lp, _, _) in enumerate(rows):
-            n = len(p) + len(g)
-            ids[i, :n] = torch.tensor(p + g)
-            attn[i, :n] = 1
-            resp[i, len(p):n] = True
-            glp[i, len(p):n] = torch.tensor(lp[:len(g)])
-        return Rollouts(ids, attn, resp, glp, [len(r[0]) for r in rows], [len(r[1]) for r in rows],
-                        [r[3] for r in rows], [r[4] for r in rows])
+            lps = [next(iter(d.values())).logprob if d else 0.0 for d in (c.logprobs or [])]
+            rows.append(SampleRow(list(o.prompt_token_ids), list(c.token_ids), lps[:len(c.token_ids)],
+                                  c.finish_reason == "length", c.text))
+        return rows
+
+    def generate(self, prompts: Sequence[str], temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 max_tokens: int = 32, stop: Sequence[str] = (), seed: Optional[int] = None) -> Rollouts:
+        rows = self.sample(prompts, temperature, top_p, top_k, max_tokens, stop, seed)
+        return pad_rows(rows, self.tokenizer.pad_token_id or 0)
 
     def join_refit(self, host: str, port: int, first_rank: int, world: int, prefix: str, timeout_s: float) -> None:
         """Have the engine's worker join the refit group as rank `first_rank` (one worker here)."""

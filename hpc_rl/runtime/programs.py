@@ -11,8 +11,14 @@ def _comm_check() -> Callable:
     return run
 
 
+def _rl() -> Callable:
+    from hpc_rl.rl.program import run
+
+    return run
+
+
 # name -> loader of the program's entry (imported lazily: the RL loop pulls in vLLM)
-PROGRAMS: Dict[str, Callable[[], Callable]] = {"comm_check": _comm_check}
+PROGRAMS: Dict[str, Callable[[], Callable]] = {"comm_check": _comm_check, "rl": _rl}
 
 
 def available() -> list:

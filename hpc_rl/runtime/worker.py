@@ -43,6 +43,8 @@ class RankContext:
     log: logging.Logger
     timing: dict  # wall-clock seconds since the epoch: process_start, imported, rendezvoused
     placement: Any  # hpc_rl.plan.placement.JobPlacement: how segments landed on domains
+    store_addr: str = "127.0.0.1"  # where the TCPStore listens (vLLM workers join refit groups through it)
+    store_port: int = 0
 
 
 def load_run(run_dir: Path) -> tuple:
@@ -111,7 +113,7 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     maybe_inject_failure(cfg, ident)
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
-    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement)
+    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement, addr, port)
     result = PROGRAMS[cfg.run.program]()(ctx)
     _shutdown()
     return result

@@ -1,0 +1,1 @@
+"""The RL / MOPD loop across roles: inputs, exchange, records, the program."""

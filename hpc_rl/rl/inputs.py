@@ -1,0 +1,144 @@
+"""The RL run's inputs, checked on the launching machine before any rank starts.
+
+- model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
+  tokenizer, or `tiny:<name>`, one of the tiny models built on this machine
+  (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
+  resolved to absolute paths in the run's config.yaml, so ranks never build anything.
+- the prompts: data.path (JSONL), or data.tasks generated into <run_dir>/data/train.jsonl.
+  A malformed row names its file and line (or is skipped and counted: data.skip_invalid).
+- routing: every agent of the dataset must reach a teacher; under routing.strict an
+  unmapped agent is an error naming it and the known aliases.
+
+Everything wrong is reported at once as a ConfigError (exit 2): nothing is submitted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from hpc_rl.config.errors import ConfigError, Violation
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.data import tasks as task_gen
+from hpc_rl.data.dataset import DatasetError, PromptDataset, PromptRecord
+
+TINY_PREFIX = "tiny:"
+TRAIN_FILE = "data/train.jsonl"
+
+
+def resolve_model_ref(ref: str) -> str:
+    """`tiny:<name>` -> the built asset's directory; anything else is returned as given."""
+    if not ref.startswith(TINY_PREFIX):
+        return ref
+    from hpc_rl.models.assets import build_assets
+
+    name = ref[len(TINY_PREFIX):]
+    assets = build_assets(log=lambda line: print(line, flush=True))
+    if name not in assets.paths:
+        raise KeyError(f"{ref!r}: no tiny model named {name!r}; built: {sorted(TINY_PREFIX + n for n in assets.paths)}")
+    return str(assets[name])
+
+
+def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional[str]:
+    from hpc_rl.models.fsdp2 import CheckpointError, check_checkpoint
+
+    if not ref:
+        out.append(Violation(key, ref, "the RL loop needs a checkpoint here",
+                             f"set {key}=/path/to/hf_checkpoint (Llama or Qwen2, with tokenizer) or {key}=tiny:student"))
+        return None
+    try:
+        path = resolve_model_ref(ref)
+    except KeyError as e:
+        out.append(Violation(key, ref, str(e.args[0]), f"use one of the tiny models, e.g. {key}=tiny:student"))
+        return None
+    if not Path(path).is_dir():
+        out.append(Violation(key, ref, f"{path} is not a directory",
+                             "point it at a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)"))
+        return None
+    try:
+        check_checkpoint(path)
+    except CheckpointError as e:
+        out.append(Violation(key, ref, str(e), "use a Llama/Qwen2 checkpoint directory saved with its tokenizer"))
+        return None
+    return str(Path(path).resolve())
+
+
+def generated_rows(cfg: RunConfig) -> List[dict]:
+    """data.tasks, data.samples_per_task each, interleaved, seeded by run.seed."""
+    return task_gen.mixed(cfg.data.samples_per_task, seed=cfg.run.seed, tasks=cfg.data.tasks)
+
+
+def load_dataset(cfg: RunConfig, run_dir: Optional[Path] = None) -> PromptDataset:
+    """The training prompts: data.path, else the generated file in the run directory (ranks),
+    else generated in memory (the launcher, before the run directory exists)."""
+    if cfg.data.path:
+        return PromptDataset.from_jsonl(cfg.data.path, skip_invalid=cfg.data.skip_invalid)
+    if run_dir is not None and (Path(run_dir) / TRAIN_FILE).exists():
+        return PromptDataset.from_jsonl(Path(run_dir) / TRAIN_FILE)
+    from hpc_rl.data.dataset import parse_row
+
+    return PromptDataset([parse_row(r, f"generated:{i + 1}") for i, r in enumerate(generated_rows(cfg))], path=None)
+
+
+def eval_records(dataset: PromptDataset, per_agent: int, seed: int) -> List[PromptRecord]:
+    """A fixed sample of `per_agent` prompts of every agent, the same at the start and the end."""
+    by_agent: Dict[str, List[PromptRecord]] = {}
+    for rec in dataset:
+        by_agent.setdefault(rec.agent, []).append(rec)
+    rng = random.Random(f"eval:{seed}")
+    out: List[PromptRecord] = []
+    for agent in sorted(by_agent):
+        rows = by_agent[agent]
+        out.extend(rng.sample(rows, min(per_agent, len(rows))))
+    return out
+
+
+def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
+    """Resolve and check everything an RL run reads; returns the config with model references
+    resolved, and the dataset. Raises ConfigError listing every problem."""
+    out: List[Violation] = []
+    resolved = _check_model(out, "model.path", cfg.model.path)
+    if resolved:
+        cfg.model.path = resolved
+    for alias, t in cfg.teachers.items():
+        p = _check_model(out, f"teachers.{alias}.checkpoint", t.checkpoint)
+        if p:
+            t.checkpoint = p
+
+    dataset: Optional[PromptDataset] = None
+    try:
+        dataset = load_dataset(cfg)
+    except DatasetError as e:
+        out.append(Violation("data.path", cfg.data.path, str(e),
+                             "fix that row, or set data.skip_invalid=true to skip malformed rows (they are counted)"))
+    except OSError as e:
+        out.append(Violation("data.path", cfg.data.path, f"cannot read it: {e.strerror or e}", "point data.path at a JSONL file"))
+    if dataset is not None and len(dataset) == 0:
+        out.append(Violation("data.path", cfg.data.path, "no usable row", "give at least one valid row"))
+        dataset = None
+
+    if dataset is not None and cfg.algo.name == "mopd" and cfg.teachers:
+        from hpc_rl.algo.routing import RoutingError, TeacherRouter
+
+        try:
+            router = TeacherRouter.from_config(cfg)
+            for agent, n in sorted(Counter(r.agent for r in dataset).items()):
+                try:
+                    router.route(agent)
+                except RoutingError as e:
+                    out.append(Violation("routing", agent, f"{e} ({n} rows of {dataset.path or 'the generated data'})",
+                                         f"add {agent!r} to routing.agents.<alias>, or set routing.default and routing.strict=false"))
+        except RoutingError as e:
+            out.append(Violation("routing", None, str(e), "fix routing.agents / routing.default"))
+    if out:
+        raise ConfigError(out)
+    return cfg, dataset
+
+
+def write_generated(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
+    """Generated prompts go into the run directory, where every rank reads the same file."""
+    if cfg.data.path:
+        return None
+    return task_gen.write_jsonl(Path(run_dir) / TRAIN_FILE, generated_rows(cfg))

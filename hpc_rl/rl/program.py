@@ -1,0 +1,527 @@
+"""`run.program=rl`: the synchronous RL / MOPD loop across the job's roles.
+
+Every rank of every role runs this same loop in lock step; the world group carries the
+step's small data (prompts, sampled rows, scores) as object broadcasts, in an order fixed
+by the plan, so no rank ever waits on a message nobody sends.
+
+One step:
+  1. prompts   trainer rank 0 draws the batch (each prompt repeated generations_per_prompt
+               times, consecutively) and shares it.
+  2. generate  each generator rank samples its round-robin share on its vLLM engine.
+  3. score     at the same time: env ranks verify answers (rewards, accuracy), each teacher
+               group scores the samples routed to it (logprobs of the sampled tokens; each
+               sample by exactly one teacher), trainer ranks recompute the student's
+               logprobs (the PPO "old" policy, and the check of vLLM's logprobs).
+  4. train     trainer ranks: advantages (MOPD: teacher - student per token; GRPO: group-
+               normalised rewards), mismatch weights, one optimizer step per minibatch.
+  5. refit     trainer -> every generator engine, full state over the refit group.
+Trainer rank 0 records metrics, rollouts and progress; checkpoints every
+checkpoint.every_steps; the run resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_advantages, per_token, policy_loss,
+                         reverse_kl_per_teacher, sequence_keep_mask, token_mult_prob_error)
+from hpc_rl.algo.routing import TeacherRouter
+from hpc_rl.data.dataset import PromptIterator, PromptRecord
+from hpc_rl.refit.vllm_engine import Rollouts, SampleRow, pad_rows
+from hpc_rl.runtime.identity import role_offsets
+
+from .exchange import gather_all, interleave, share, strided
+from .inputs import eval_records, load_dataset
+from .records import MetricsLog, Progress, RolloutStore, summarize
+
+TRAINER_SEED_SPACE = 1_000_003
+
+
+def _seed(run_seed: int, stream: int, step: int, index: int) -> int:
+    """A request's sampling seed: a function of where it is in the run, not of the batch."""
+    return (run_seed * TRAINER_SEED_SPACE + stream * 7_919_993 + step * 10_007 + index) % (2 ** 31 - 1)
+
+
+@dataclass
+class Batch:
+    """One step's samples as every trainer rank sees them (tensors are [B, T])."""
+
+    records: List[PromptRecord]
+    rows: List[SampleRow]
+    rollouts: Rollouts
+    rewards: Optional[torch.Tensor] = None  # [B]
+    correct: Optional[List[Optional[bool]]] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    aliases: Optional[List[str]] = None  # the routed teacher alias per sample
+    student_logprobs: Optional[torch.Tensor] = None
+
+
+class RLProgram:
+    def __init__(self, ctx):
+        self.ctx, self.cfg, self.plan, self.ident, self.log = ctx, ctx.cfg, ctx.plan, ctx.ident, ctx.log
+        offsets = role_offsets(self.plan)
+        self.trainer_role = self.plan.roles[0].name
+
+        def ranks(role: str) -> List[int]:
+            first, n = offsets.get(role, (0, 0))
+            return list(range(first, first + n))
+
+        self.trainer_ranks = ranks(self.trainer_role)
+        self.gen_ranks = ranks("generator")
+        self.env_ranks = ranks("env")
+        self.teacher_groups: List[str] = [r.name.split("/", 1)[1] for r in self.plan.roles if r.name.startswith("teacher/")]
+        self.teacher_first = {g: ranks(f"teacher/{g}")[0] for g in self.teacher_groups}
+        self.router = TeacherRouter.from_config(self.cfg) if self.cfg.teachers else None
+        if self.router is not None and list(self.router.groups) != self.teacher_groups:
+            raise RuntimeError(f"teacher groups of the plan {self.teacher_groups} differ from routing's {self.router.groups}")
+        self.mopd = self.cfg.algo.name == "mopd"
+        if not self.gen_ranks:
+            raise RuntimeError("the RL loop needs a generator role")
+        self.role = self.ident.role
+        self.is_trainer = self.role == self.trainer_role
+        self.is_driver = self.ident.global_rank == 0
+        self.my_teacher = self.role.split("/", 1)[1] if self.role.startswith("teacher/") else None
+        self.backend = None  # trainer: the trained student; teacher: inference-only
+        self.engine = None
+        self.sender = None
+        self.pad_id = 0
+        self.timing: Dict[str, float] = {}  # this step's phases
+        self.setup_timing: Dict[str, float] = {}
+
+    # ----------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
+
+        cfg, ctx = self.cfg, self.ctx
+        t0 = time.perf_counter()
+        if self.is_trainer:
+            o, s = cfg.trainer.optimizer, cfg.trainer.scheduler
+            optim = OptimConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                grad_clip=o.grad_clip, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr)
+            self.backend = FSDP2Backend(cfg.model.path, group=ctx.groups.role, precision=cfg.trainer.precision,
+                                        optim=optim, train=True, device=ctx.device)
+            self.log.info("student %s loaded (FSDP2 over %d ranks, %s)", cfg.model.path, len(self.trainer_ranks),
+                          cfg.trainer.precision)
+        elif self.my_teacher is not None:
+            t = cfg.teachers[self.my_teacher]
+            self.backend = FSDP2Backend(t.checkpoint, group=ctx.groups.role, precision=t.precision, train=False,
+                                        device=ctx.device)
+            self.log.info("teacher group %s (aliases %s) loaded from %s", self.my_teacher,
+                          [a for a in cfg.teachers if self.router.group_of(a) == self.my_teacher], t.checkpoint)
+        elif self.role == "generator":
+            from hpc_rl.refit.vllm_engine import VLLMGenerator
+
+            g = cfg.generator
+            on_gpu = ctx.device.startswith("cuda")
+            # On CPU vLLM reserves this share of NUMA node 0's memory for its KV cache; the
+            # GPU default (0.85) cannot be met there, so CPU runs take at most 0.2.
+            frac = g.gpu_memory_utilization if on_gpu else min(g.gpu_memory_utilization, 0.2)
+            self.engine = VLLMGenerator(cfg.model.path, precision=g.precision,
+                                        max_model_len=g.max_model_len or cfg.trainer.max_seq_len,
+                                        seed=cfg.run.seed + self.ident.role_rank, memory_fraction=frac,
+                                        max_num_seqs=g.max_num_seqs)
+            self.log.info("vLLM engine up (%s, %s)", g.precision, ctx.device)
+        self.pad_id = self._pad_id()
+        self.setup_timing["load_s"] = time.perf_counter() - t0
+        self._join_refit()
+        dist.barrier(group=ctx.groups.world)
+        self.setup_timing["setup_s"] = time.perf_counter() - t0
+        self.log.info("setup done in %.1fs", self.setup_timing["setup_s"])
+
+    def _pad_id(self) -> int:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        self.tokenizer = tok
+        return tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def _join_refit(self) -> None:
+        """Trainer rank 0 and each generator engine's worker form the refit group."""
+        from hpc_rl.refit.vllm_engine import RefitSender
+
+        prefix = f"refit/{self.ident.restart}"
+        world = 1 + len(self.gen_ranks)
+        timeout = float(self.cfg.run.rendezvous_timeout_s)
+        if self.is_driver:
+            self.sender = RefitSender(self.ctx.store, world, prefix, timeout)
+        elif self.engine is not None:
+            self.engine.join_refit(self.ctx.store_addr, self.ctx.store_port, 1 + self.ident.role_rank, world, prefix, timeout)
+
+    # ------------------------------------------------------------------------------ collection
+    def collect(self, records: Optional[List[PromptRecord]], sampling: Dict[str, Any], stream: int, step: int,
+                with_teachers: bool, with_env: bool) -> Optional[Batch]:
+        """Generate for `records` (given on the driver) and score; every rank calls it.
+        Returns the Batch on trainer ranks, None elsewhere."""
+        world = self.ctx.groups.world
+        t0 = time.perf_counter()
+        records = share(records, src=0, group=world)
+        n = len(records)
+
+        # 2. generate: round robin over generator ranks
+        piece: List[SampleRow] = []
+        if self.engine is not None:
+            mine = strided(n, self.ident.role_rank, len(self.gen_ranks))
+            prompts = self._chat_messages([records[i] for i in mine])
+            piece = self.engine.sample(prompts, seed=[_seed(self.cfg.run.seed, stream, step, i) for i in mine], **sampling)
+        pieces = [share(piece if self.ident.global_rank == src else None, src=src, group=world) for src in self.gen_ranks]
+        rows: List[SampleRow] = interleave(pieces, n)
+        t_gen = time.perf_counter()
+
+        # 3. score: every scoring rank computes first, then the results are shared in a fixed order
+        env_piece = self._env_score(records, rows) if (with_env and self.role == "env") else None
+        teacher_piece = self._teacher_score(records, rows) if (with_teachers and self.my_teacher) else None
+        student = self._student_logprobs(rows) if self.is_trainer else None
+        rewards = correct = None
+        if with_env and self.env_ranks:
+            env_pieces = [share(env_piece if self.ident.global_rank == src else None, src=src, group=world)
+                          for src in self.env_ranks]
+            scored = interleave(env_pieces, n)
+            rewards = torch.tensor([s[0] for s in scored], dtype=torch.float32)
+            correct = [s[1] for s in scored]
+        teacher_rows: Dict[int, List[float]] = {}
+        if with_teachers and self.teacher_groups:
+            for g in self.teacher_groups:
+                teacher_rows.update(share(teacher_piece if self.ident.global_rank == self.teacher_first[g] else None,
+                                          src=self.teacher_first[g], group=world))
+        t_score = time.perf_counter()
+        if not self.is_trainer:
+            return None
+        batch = Batch(records, rows, pad_rows(rows, self.pad_id), rewards, correct, student_logprobs=student)
+        if teacher_rows:
+            tlp = torch.zeros_like(batch.rollouts.generation_logprobs)
+            for i, lps in teacher_rows.items():
+                p = len(rows[i].prompt_ids)
+                tlp[i, p:p + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+            batch.teacher_logprobs = tlp
+            batch.aliases = [self.router.route(r.agent) for r in records]
+        self.timing.update(generate_s=t_gen - t0, score_s=t_score - t_gen)
+        return batch
+
+    def _chat_messages(self, recs: Sequence[PromptRecord]) -> List[str]:
+        tok = self.engine.tokenizer
+        out = []
+        for r in recs:
+            msgs = [{"role": "user", "content": r.prompt}] if isinstance(r.prompt, str) else list(r.prompt)
+            out.append(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        return out
+
+    def _env_score(self, records: List[PromptRecord], rows: List[SampleRow]) -> List[Tuple[float, Optional[bool]]]:
+        from hpc_rl.envs.registry import score
+
+        out = []
+        for i in strided(len(rows), self.ident.role_rank, len(self.env_ranks)):
+            rec = records[i]
+            if rec.task is None or rec.answer is None:
+                out.append((0.0, None))  # no verifier for this row: no reward, not counted in accuracy
+                continue
+            res = score(rec.task, rows[i].text, rec.answer)
+            out.append((float(res.reward), bool(res.correct)))
+        return out
+
+    def _teacher_score(self, records: List[PromptRecord], rows: List[SampleRow]) -> Dict[int, List[float]]:
+        """Logprobs of the sampled tokens under this group's teacher, for the samples routed here.
+        Every rank of the group computes (FSDP needs them all); its first rank shares."""
+        mine = [i for i, r in enumerate(records) if self.router.group_of(self.router.route(r.agent)) == self.my_teacher]
+        if not mine:
+            return {}
+        sub = pad_rows([rows[i] for i in mine], self.pad_id)
+        lp = self.backend.logprobs(sub.input_ids, sub.attention_mask).float().cpu()
+        out = {}
+        for j, i in enumerate(mine):
+            p, g = sub.prompt_lengths[j], sub.generation_lengths[j]
+            out[i] = lp[j, p:p + g].tolist()
+        return out
+
+    def _student_logprobs(self, rows: List[SampleRow]) -> torch.Tensor:
+        """[B, T] student logprobs of the whole batch: each trainer rank computes its strided
+        share (FSDP all-gathers the weights per layer), then they exchange shares."""
+        full = pad_rows(rows, self.pad_id)
+        n_tr = len(self.trainer_ranks)
+        mine = strided(len(rows), self.ident.role_rank, n_tr)
+        lp = self.backend.logprobs(full.input_ids[mine], full.attention_mask[mine]).float().cpu()
+        if n_tr == 1:
+            return lp
+        shares = gather_all(lp, self.ctx.groups.role)
+        out = torch.zeros(full.input_ids.shape, dtype=torch.float32)
+        for k, t in enumerate(shares):
+            out[strided(len(rows), k, n_tr)] = t
+        return out
+
+    # ---------------------------------------------------------------------------------- train
+    def advantages(self, b: Batch) -> torch.Tensor:
+        mask = b.rollouts.response_mask
+        if self.mopd:
+            return opd_advantages(b.teacher_logprobs, b.student_logprobs, mask, self.cfg.algo.opd.adv_clip)
+        g = self.cfg.algo.grpo
+        adv = grpo_advantages(b.rewards, self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std)
+        return per_token(adv, mask)
+
+    def train(self, b: Batch) -> Dict[str, Any]:
+        a = self.cfg.algo
+        r = b.rollouts
+        mask = r.response_mask
+        adv = self.advantages(b)
+        mm = a.mismatch
+        weights = importance_weights(b.student_logprobs, r.generation_logprobs, mask, mm.kind, mm.min, mm.max)
+        keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
+        train_mask = mask & keep_seq[:, None]
+        n = len(b.rows)
+        gbs = self.cfg.trainer.global_batch_size
+        n_tr = len(self.trainer_ranks)
+        metrics: List[Dict[str, float]] = []
+        for start in range(0, n, gbs):
+            idx = list(range(start, min(start + gbs, n)))[self.ident.role_rank::n_tr]
+
+            def loss_fn(lp, idx=idx):
+                return policy_loss(lp, b.student_logprobs[idx], adv[idx], train_mask[idx], kind=a.loss.kind,
+                                   clip_low=a.loss.ratio_clip_low, clip_high=a.loss.ratio_clip_high, weights=weights[idx])
+
+            metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn))
+        out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        if n_tr > 1:  # average the ranks' minibatch metrics
+            keys = sorted(out)
+            v = torch.tensor([out[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(v, group=self.ctx.groups.role)
+            out = {k: float(x) / n_tr for k, x in zip(keys, v)}
+        out["advantage_mean"] = float(masked_mean(adv, mask))
+        out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
+        out["optimizer_steps"] = len(metrics)
+        return out
+
+    def refit(self, version: int) -> float:
+        """Trainer -> generators. Every trainer rank helps gather the full state."""
+        t0 = time.perf_counter()
+        if self.is_trainer:
+            state = self.backend.full_state_dict()
+            if self.is_driver:
+                self._meta = [(k, list(v.shape), str(v.dtype).split(".")[1]) for k, v in state.items()]
+        # names, shapes and dtypes in send order (every rank joins the broadcast; it is tiny)
+        meta = share(getattr(self, "_meta", None), src=0, group=self.ctx.groups.world)
+        if self.is_driver:
+            self.sender.send(state)
+        elif self.engine is not None:
+            self.engine.receive(meta, 0, version)
+        return time.perf_counter() - t0
+
+    # ----------------------------------------------------------------------------------- loop
+    def run(self) -> Dict[str, Any]:
+        cfg = self.cfg
+        self.setup()
+        dataset = load_dataset(cfg, self.ctx.run_dir)
+        it = PromptIterator(dataset, cfg.algo.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        start = self._resume(it)
+        metrics_log, store = MetricsLog(self.ctx.run_dir), RolloutStore(self.ctx.run_dir)
+        progress = Progress(self.ctx.run_dir, cfg.run.max_steps, first_step=start) if self.is_driver else None
+        if self.is_driver and dataset.skipped:
+            self.log.warning("%d malformed dataset rows skipped (data.skip_invalid): lines %s", dataset.skipped,
+                             dataset.skipped_lines[:20])
+        sampling = self._sampling()
+        evals = eval_records(dataset, cfg.data.eval_prompts_per_task, cfg.run.seed) if cfg.data.eval_prompts_per_task else []
+        if evals and start == 1:
+            self._evaluate("start", evals, 0, progress, metrics_log)
+        last: Dict[str, Any] = {}
+        for step in range(start, cfg.run.max_steps + 1):
+            t0 = time.perf_counter()
+            if progress:
+                progress.update(step, "generate")
+            records = None
+            if self.is_driver:
+                records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)]
+            batch = self.collect(records, sampling, stream=1, step=step, with_teachers=self.mopd, with_env=True)
+            if progress:
+                progress.update(step, "train")
+            train_metrics = self.train(batch) if self.is_trainer else {}
+            t_train = time.perf_counter()
+            if progress:
+                progress.update(step, "refit")
+            refit_s = self.refit(step)
+            if self.is_trainer and (step % cfg.checkpoint.every_steps == 0 or step == cfg.run.max_steps):
+                self._checkpoint(step, it)
+            if self.is_driver:
+                timing = dict(self.timing, train_s=t_train - t0 - self.timing["generate_s"] - self.timing["score_s"],
+                              refit_s=refit_s, step_s=time.perf_counter() - t0)
+                last = self._record(step, batch, train_metrics, timing, metrics_log, store)
+                self.log.info("step %d/%d: %s", step, cfg.run.max_steps, _brief(last))
+        if evals:
+            self._evaluate("end", evals, cfg.run.max_steps, progress, metrics_log)
+        summary = None
+        if self.is_driver:
+            summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe})
+            progress.update(cfg.run.max_steps + 1, "done", done_steps=cfg.run.max_steps)
+            (self.ctx.run_dir / "FINISHED").write_text(f"{time.time()}\n")
+        dist.barrier(group=self.ctx.groups.world)
+        return {"role": self.role, "rank": self.ident.role_rank, "steps": cfg.run.max_steps - start + 1,
+                "summary": summary}
+
+    def _sampling(self) -> Dict[str, Any]:
+        s = self.cfg.generator.sampling
+        return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_tokens": s.max_tokens,
+                "stop": list(s.stop)}
+
+    # ------------------------------------------------------------------------------ eval
+    def _evaluate(self, tag: str, evals: List[PromptRecord], step: int, progress, metrics_log) -> None:
+        """Fixed prompts at the start and the end: greedy accuracy per task and, with teachers,
+        the reverse KL of sampled answers to their routed teacher."""
+        if progress:
+            progress.update(max(step, 1), f"eval {tag}")
+        greedy = dict(self._sampling(), temperature=0.0, top_p=1.0, top_k=-1)
+        g = self.collect(evals if self.is_driver else None, greedy, stream=2, step=step, with_teachers=False, with_env=True)
+        kl: Dict[str, float] = {}
+        if self.mopd and self.teacher_groups:
+            s = self.collect(evals if self.is_driver else None, self._sampling(), stream=3, step=step,
+                             with_teachers=True, with_env=False)
+            if self.is_trainer:
+                kl = self._kl(s)
+        teacher_acc = self._teacher_accuracy(evals) if tag == "start" and self.mopd and self.teacher_groups else {}
+        if not self.is_driver:
+            return
+        acc = _accuracy_by_task(g.records, g.correct)
+        rec = {"kind": "eval", "tag": tag, "step": step, "accuracy": acc, "reverse_kl": kl, "time": time.time(),
+               "teacher_accuracy": teacher_acc, "prompts": len(evals)}
+        metrics_log.append(rec)
+        self.log.info("eval %s: accuracy %s; reverse KL %s", tag, _fmt(acc), _fmt(kl))
+
+    def _teacher_accuracy(self, evals: List[PromptRecord]) -> Dict[str, float]:
+        """Each teacher group's greedy accuracy on the eval prompts routed to it (what the
+        student is distilled toward)."""
+        from hpc_rl.envs.registry import score
+        from hpc_rl.models.assets import chat_prompt
+
+        piece: Dict[str, List[bool]] = {}
+        if self.my_teacher is not None:
+            model = self.backend.model
+            end = self.tokenizer.eos_token_id
+            for r in evals:
+                if r.task is None or not isinstance(r.prompt, str) or \
+                        self.router.group_of(self.router.route(r.agent)) != self.my_teacher:
+                    continue
+                ids = torch.tensor([chat_prompt(self.tokenizer, r.prompt)])
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                         max_new_tokens=self.cfg.generator.sampling.max_tokens, eos_token_id=end,
+                                         pad_token_id=self.pad_id)
+                text = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                piece.setdefault(_task_key(r), []).append(bool(score(r.task, text, r.answer).correct))
+        merged: Dict[str, List[bool]] = {}
+        for g in self.teacher_groups:
+            for k, v in share(piece if self.ident.global_rank == self.teacher_first[g] else None,
+                              src=self.teacher_first[g], group=self.ctx.groups.world).items():
+                merged.setdefault(k, []).extend(v)
+        return {k: sum(v) / len(v) for k, v in merged.items()}
+
+    def _kl(self, b: Batch) -> Dict[str, float]:
+        names = sorted(set(b.aliases))
+        index = torch.tensor([names.index(a) for a in b.aliases])
+        return reverse_kl_per_teacher(b.student_logprobs, b.teacher_logprobs, b.rollouts.response_mask, index, names)
+
+    # ------------------------------------------------------------------------------ records
+    def _record(self, step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, float],
+                metrics_log: MetricsLog, store: RolloutStore) -> Dict[str, Any]:
+        r = b.rollouts
+        mask = r.response_mask
+        rec: Dict[str, Any] = {"kind": "step", "step": step, "time": time.time(), "samples": len(b.rows),
+                               "response_len_mean": float(np.mean(r.generation_lengths)),
+                               "truncated_frac": float(np.mean(r.truncated)),
+                               "token_mult_prob_error": token_mult_prob_error(r.generation_logprobs, b.student_logprobs, mask),
+                               "weight_version": step - 1, **train, "timing": timing}
+        if b.rewards is not None:
+            rec["reward_mean"] = float(b.rewards.mean())
+            rec["accuracy"] = _accuracy_by_task(b.records, b.correct)
+        if b.teacher_logprobs is not None:
+            rec["reverse_kl"] = self._kl(b)
+        metrics_log.append(rec)
+        adv = self.advantages(b)
+        arrays = {"input_ids": r.input_ids.numpy().astype(np.int32), "attention_mask": r.attention_mask.numpy().astype(np.int8),
+                  "response_mask": mask.numpy().astype(np.int8), "generation_logprobs": r.generation_logprobs.numpy(),
+                  "student_logprobs": b.student_logprobs.numpy(), "advantages": adv.numpy(),
+                  "truncated": np.array(r.truncated, dtype=np.int8)}
+        if b.teacher_logprobs is not None:
+            arrays["teacher_logprobs"] = b.teacher_logprobs.numpy()
+        if b.rewards is not None:
+            arrays["rewards"] = b.rewards.numpy()
+        strings = {"agents": [x.agent for x in b.records], "texts": r.texts,
+                   "tasks": [x.task or "" for x in b.records]}
+        if b.aliases:
+            strings["teachers"] = b.aliases
+        store.write(step, arrays, strings, attrs={"weight_version": step - 1})
+        return rec
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _ckpt_root(self) -> Path:
+        return Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else self.ctx.run_dir / "checkpoints"
+
+    def _checkpoint(self, step: int, it: PromptIterator) -> None:
+        from hpc_rl.ckpt import apply_retention, capture_rng_state, save_checkpoint
+
+        extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state()}
+        config_yaml = (self.ctx.run_dir / "config.yaml").read_text()
+        save_checkpoint(self._ckpt_root(), step, self.backend, extra, config_yaml, group=self.ctx.groups.role,
+                        recipe=self.cfg.recipe)
+        if self.is_driver:
+            apply_retention(self._ckpt_root(), self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+
+    def _resume(self, it: PromptIterator) -> int:
+        """The first step to run: 1, or one past the newest complete checkpoint (trainer ranks
+        load it; generators then receive its weights)."""
+        from hpc_rl.ckpt import find_resumable, load_checkpoint, model_fingerprint, restore_rng_state
+
+        found = None
+        if self.is_driver:
+            scan = find_resumable(self._ckpt_root(), model_fingerprint(self.backend.model), self.cfg.recipe)
+            for path, why in scan.skipped:
+                self.log.warning("skipped checkpoint %s: %s", path, why)
+            found = (str(scan.path), scan.step) if scan else None
+        found = share(found, src=0, group=self.ctx.groups.world)
+        if found is None:
+            return 1
+        path, step = found
+        if self.is_trainer:
+            extra = load_checkpoint(path, self.backend, group=self.ctx.groups.role)
+            it.load_state_dict(extra["iterator"])
+            restore_rng_state(extra["rng"])
+        if self.is_driver:
+            dropped = MetricsLog(self.ctx.run_dir).truncate_after(step), RolloutStore(self.ctx.run_dir).truncate_after(step)
+            self.log.info("resumed from %s (step %d); dropped %d metric records and %d rollout groups of later steps",
+                          path, step, *dropped)
+        self.refit(step)  # the generators still hold the initial weights
+        return step + 1
+
+
+def _task_key(r: PromptRecord) -> str:
+    return r.agent
+
+
+def _accuracy_by_task(records: Sequence[PromptRecord], correct: Optional[Sequence[Optional[bool]]]) -> Dict[str, float]:
+    by: Dict[str, List[bool]] = {}
+    for r, c in zip(records, correct or []):
+        if c is not None:
+            by.setdefault(_task_key(r), []).append(c)
+    return {k: sum(v) / len(v) for k, v in sorted(by.items())}
+
+
+def _fmt(d: Dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in d.items()) or "-"
+
+
+def _brief(rec: Dict[str, Any]) -> str:
+    parts = []
+    if "reverse_kl" in rec:
+        parts.append(f"KL {rec['reverse_kl'].get('mean', float('nan')):.3f}")
+    if "reward_mean" in rec:
+        parts.append(f"reward {rec['reward_mean']:.3f}")
+    parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
+    parts.append(f"loss {rec.get('loss', float('nan')):.4f}")
+    parts.append(f"{rec['timing']['step_s']:.2f}s")
+    return ", ".join(parts)
+
+
+def run(ctx) -> Dict[str, Any]:
+    return RLProgram(ctx).run()

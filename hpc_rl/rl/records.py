@@ -1,0 +1,207 @@
+"""What a run leaves in its directory, written by trainer rank 0.
+
+metrics.jsonl   one JSON object per step (and per evaluation, "kind": "eval")
+rollouts.h5     one group per step (`step_000001`): token ids, masks, generation / teacher /
+                student logprobs, advantages, rewards, agent names; plain h5py reads it
+progress.json   step, phase and ETA, rewritten as the run moves (launchers display it)
+summary.json    the end: reverse KL per teacher and accuracy per task, start vs end
+
+A resumed run truncates metrics and rollouts after the step it resumed from, so each step
+appears once whatever the number of restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+
+METRICS = "metrics.jsonl"
+ROLLOUTS = "rollouts.h5"
+PROGRESS = "progress.json"
+SUMMARY = "summary.json"
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe: nan/inf become null (json.dumps would write invalid JSON)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(_clean(dict(record)), sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> List[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> int:
+        """Drop records of steps > step (recomputed after a resume); returns how many."""
+        rows = self.read()
+        keep = [r for r in rows if r.get("step", 0) <= step and not (r.get("kind") == "eval" and r.get("tag") == "end")]
+        if len(keep) != len(rows):
+            tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+            os.replace(tmp, self.path)
+        return len(rows) - len(keep)
+
+
+class RolloutStore:
+    """Opened per write and closed at once, so a killed run leaves a readable file."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ROLLOUTS
+
+    @staticmethod
+    def group_name(step: int) -> str:
+        return f"step_{step:06d}"
+
+    def write(self, step: int, arrays: Mapping[str, np.ndarray], strings: Mapping[str, List[str]],
+              attrs: Optional[Mapping[str, Any]] = None) -> None:
+        import h5py
+
+        with h5py.File(self.path, "a") as f:
+            name = self.group_name(step)
+            if name in f:
+                del f[name]
+            g = f.create_group(name)
+            for k, v in arrays.items():
+                g.create_dataset(k, data=v, compression="gzip" if v.size > 4096 else None)
+            for k, v in strings.items():
+                g.create_dataset(k, data=np.array(v, dtype=object), dtype=h5py.string_dtype())
+            for k, v in (attrs or {}).items():
+                g.attrs[k] = v
+
+    def truncate_after(self, step: int) -> int:
+        import h5py
+
+        if not self.path.exists():
+            return 0
+        with h5py.File(self.path, "a") as f:
+            doomed = [n for n in f if n.startswith("step_") and int(n[5:]) > step]
+            for n in doomed:
+                del f[n]
+        return len(doomed)
+
+
+class Progress:
+    """progress.json for launchers and humans: step, phase, seconds per step, ETA."""
+
+    def __init__(self, run_dir: Path, total_steps: int, first_step: int = 1):
+        self.path = Path(run_dir) / PROGRESS
+        self.total, self.first = total_steps, first_step
+        self.t0 = time.time()
+        self.step_times: List[float] = []
+
+    def update(self, step: int, phase: str, done_steps: Optional[int] = None) -> None:
+        done = step - self.first if done_steps is None else done_steps
+        per_step = (time.time() - self.t0) / done if done > 0 else None
+        left = self.total - (step - 1) if done_steps is None else self.total - done_steps
+        _atomic_json(self.path, {"step": step, "total_steps": self.total, "phase": phase, "time": time.time(),
+                                 "elapsed_s": time.time() - self.t0, "s_per_step": per_step,
+                                 "eta_s": per_step * max(left, 0) if per_step else None})
+
+
+def read_progress(run_dir: Path) -> Optional[dict]:
+    p = Path(run_dir) / PROGRESS
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def progress_line(p: Mapping[str, Any], width: int = 24) -> str:
+    total = max(int(p.get("total_steps") or 1), 1)
+    done = min(max(int(p.get("step", 1)) - 1, 0), total)
+    if p.get("phase") in ("done", "eval end"):
+        done = total
+    filled = int(width * done / total)
+    eta = p.get("eta_s")
+    eta_s = f"ETA {int(eta) // 60}:{int(eta) % 60:02d}" if eta is not None else "ETA --:--"
+    return f"[{'#' * filled}{'.' * (width - filled)}] step {min(int(p.get('step', 0)), total)}/{total} {p.get('phase', ''):<10} {eta_s}"
+
+
+# ------------------------------------------------------------------------------------------
+# summary
+
+
+def summarize(run_dir: Path, extra: Optional[Mapping[str, Any]] = None) -> dict:
+    """Start-vs-end comparison from metrics.jsonl (its eval records and its steps)."""
+    rows = MetricsLog(run_dir).read()
+    steps = [r for r in rows if r.get("kind") == "step"]
+    evals = {r["tag"]: r for r in rows if r.get("kind") == "eval"}
+    out: Dict[str, Any] = {"steps": len(steps), "last_step": steps[-1]["step"] if steps else 0}
+    for tag in ("start", "end"):
+        if tag in evals:
+            e = evals[tag]
+            out[tag] = {k: e.get(k) for k in ("reverse_kl", "accuracy", "reward_mean", "step")}
+    if "start" in evals and evals["start"].get("teacher_accuracy"):
+        out["teacher_accuracy"] = evals["start"]["teacher_accuracy"]
+    if "start" in out and "end" in out:
+        kl0, kl1 = out["start"].get("reverse_kl") or {}, out["end"].get("reverse_kl") or {}
+        out["reverse_kl_reduction"] = {t: 1.0 - kl1[t] / kl0[t] for t in kl0 if t in kl1 and kl0[t]}
+    if steps:
+        errs = [s["token_mult_prob_error"] for s in steps if s.get("token_mult_prob_error") is not None]
+        out["token_mult_prob_error_max"] = max(errs) if errs else None
+        out["token_mult_prob_error_mean"] = sum(errs) / len(errs) if errs else None
+        rewards = [s.get("reward_mean") for s in steps if s.get("reward_mean") is not None]
+        if rewards:
+            k = max(1, min(5, len(rewards) // 4))
+            out["reward_first_steps_mean"] = sum(rewards[:k]) / k
+            out["reward_last_steps_mean"] = sum(rewards[-k:]) / k
+        out["seconds_per_step_mean"] = sum(s["timing"]["step_s"] for s in steps) / len(steps)
+    out.update(extra or {})
+    _atomic_json(Path(run_dir) / SUMMARY, _clean(out))
+    return out
+
+
+def render_summary(s: Mapping[str, Any]) -> str:
+    lines = [f"summary: {s.get('steps', 0)} steps"]
+    start, end = s.get("start") or {}, s.get("end") or {}
+    kl0, kl1 = start.get("reverse_kl") or {}, end.get("reverse_kl") or {}
+    if kl0 or kl1:
+        lines.append(f"  {'reverse KL to teacher':<24}{'start':>10}{'end':>10}{'change':>10}")
+        for t in sorted(set(kl0) | set(kl1), key=lambda x: (x == "mean", x)):
+            a, b = kl0.get(t), kl1.get(t)
+            ch = f"{(b - a) / a:+.0%}" if a and b is not None else ""
+            lines.append(f"  {t:<24}{_f(a):>10}{_f(b):>10}{ch:>10}")
+    acc0, acc1 = start.get("accuracy") or {}, end.get("accuracy") or {}
+    teach = s.get("teacher_accuracy") or {}
+    if acc0 or acc1:
+        lines.append(f"  {'accuracy (greedy)':<24}{'start':>10}{'end':>10}{'teacher':>10}")
+        for t in sorted(set(acc0) | set(acc1)):
+            lines.append(f"  {t:<24}{_f(acc0.get(t)):>10}{_f(acc1.get(t)):>10}{_f(teach.get(t)):>10}")
+    if s.get("reward_first_steps_mean") is not None:
+        lines.append(f"  mean reward: first steps {s['reward_first_steps_mean']:.3f}, last steps {s['reward_last_steps_mean']:.3f}")
+    if s.get("token_mult_prob_error_max") is not None:
+        lines.append(f"  vLLM vs trainer token_mult_prob_error: mean {s['token_mult_prob_error_mean']:.5f}, "
+                     f"max {s['token_mult_prob_error_max']:.5f}")
+    return "\n".join(lines)
+
+
+def _f(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3f}"
