@@ -58,6 +58,18 @@ def test_opd_advantages_values_clip_and_mask():
         opd_advantages(teacher, student, mask, clip=0.0)
 
 
+def test_opd_token_mean_baseline_subtracts_the_mean_of_the_trained_tokens():
+    teacher = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -0.2, -3.0, -1.0]])
+    student = torch.tensor([[0.0, -1.5, -0.5, -0.5], [0.0, -1.2, -0.1, -9.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)
+    # clipped at 1: trained tokens [0.5, -1.0, 0.0, 1.0, -1.0], mean -0.1
+    adv = opd_advantages(teacher, student, mask, clip=1.0, baseline="token_mean")
+    close(adv, [[0.0, 0.6, -0.9, 0.1], [0.0, 1.1, -0.9, 0.0]])
+    assert abs(float(adv[mask].sum())) < 1e-6
+    with pytest.raises(ValueError, match="baseline"):
+        opd_advantages(teacher, student, mask, clip=1.0, baseline="batch")
+
+
 # --------------------------------------------------------------------------- GRPO
 
 # group 1: [1, 0, 0, 0]: mean 0.25, centred [0.75, -0.25, -0.25, -0.25],

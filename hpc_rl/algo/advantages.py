@@ -17,6 +17,7 @@ def opd_advantages(
     student_logprobs: torch.Tensor,
     mask: torch.Tensor,
     clip: float,
+    baseline: str = "none",
 ) -> torch.Tensor:
     """Per-token OPD advantage A_t = sg[log p_teacher(y_t) - log p_student_prev(y_t)].
 
@@ -24,12 +25,20 @@ def opd_advantages(
     gradient with this advantage descends KL(student || teacher): tokens the teacher likes
     more than the student are pushed up, the others down. The clip to [-clip, clip] bounds
     the step where the teacher assigns a near-zero probability (log-prob of -30 would
-    otherwise dominate a batch). Zero outside `mask`. Returns float32 [B, T].
+    otherwise dominate a batch). baseline="token_mean" then subtracts the mean over the
+    masked tokens. Zero outside `mask`. Returns float32 [B, T].
     """
     if clip <= 0:
         raise ValueError(f"clip must be > 0, got {clip}")
+    if baseline not in ("none", "token_mean"):
+        raise ValueError(f"unknown OPD baseline {baseline!r}; expected 'none' or 'token_mean'")
+    keep = mask.bool()
     adv = (teacher_logprobs.detach().float() - student_logprobs.detach().float()).clamp(-clip, clip)
-    return torch.where(mask.bool(), adv, torch.zeros_like(adv))
+    if baseline == "token_mean" and bool(keep.any()):
+        # Variance reduction: E[b * grad log p] = 0 for a constant b, so the expected
+        # gradient (of the per-token reverse KL) is unchanged.
+        adv = adv - adv[keep].mean()
+    return torch.where(keep, adv, torch.zeros_like(adv))
 
 
 @torch.no_grad()

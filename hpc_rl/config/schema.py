@@ -199,6 +199,11 @@ class RoutingConfig:
 @dataclass
 class OPDConfig:
     adv_clip: float = 20.0  # advantages clipped to [-adv_clip, adv_clip]
+    # Subtract the batch's mean advantage over trained tokens (after clipping). A constant
+    # baseline leaves the expected policy gradient unchanged and removes the large common
+    # offset (wrong tokens all sit near log p_teacher = -10), which on small batches
+    # otherwise drowns the signal. "none" is the plain A_t = sg[log p_T - log p_S].
+    baseline: Literal["none", "token_mean"] = "none"
 
 
 @dataclass

@@ -37,4 +37,8 @@ def launch_slurm(cfg: RunConfig, plan: JobPlan, run_dir: Path, overrides: Sequen
         return 0
     state = follow(job, poll_s=cfg.launcher.poll_s)
     print(f"job {job.job_id} {state}\n{summarize(job)}")
+    if state == "COMPLETED":
+        from hpc_rl.launch import print_summary
+
+        print_summary(run_dir)
     return 0 if state == "COMPLETED" else 1

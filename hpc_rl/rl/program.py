@@ -259,7 +259,8 @@ class RLProgram:
     def advantages(self, b: Batch) -> torch.Tensor:
         mask = b.rollouts.response_mask
         if self.mopd:
-            return opd_advantages(b.teacher_logprobs, b.student_logprobs, mask, self.cfg.algo.opd.adv_clip)
+            o = self.cfg.algo.opd
+            return opd_advantages(b.teacher_logprobs, b.student_logprobs, mask, o.adv_clip, o.baseline)
         g = self.cfg.algo.grpo
         adv = grpo_advantages(b.rewards, self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std)
         return per_token(adv, mask)
