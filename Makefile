@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, transformers, hydra, submitit, h5py, vllm; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
-# The main job on its embedded default: the Nemotron 3 Ultra MOPD plan (dry run).
+# The main job on its embedded default: multi-teacher on-policy distillation of a tiny
+# student by two tiny teachers, every role a real local process (about 6 minutes here).
 demo: setup
-	$(PY) -m hpc_rl.launch +recipe=ultra_mopd
+	$(PY) -m hpc_rl.launch +recipe=tiny_mopd
 
 # All tests, with the local Slurm cluster up (tests marked `slurm` need it).
 test: setup cluster-up
@@ -33,6 +34,7 @@ bench: setup cluster-up
 	$(PY) bench/placement.py
 	$(PY) bench/launch.py
 	$(PY) bench/logprob_agreement.py
+	$(PY) bench/rl_results.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up

@@ -74,8 +74,12 @@ class VLLMGenerator:
 
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
         # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
+        # A token budget that fits every running sequence whole: no prompt is ever split by
+        # chunked prefill. vLLM 0.32 on CPU crashes when it rewinds a per-request seeded
+        # generator after a partial prefill ("CPU Generator does not use offset").
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
                        gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
                        worker_extension_cls=EXTENSION)
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_version = 0

@@ -398,19 +398,24 @@ class RLProgram:
 
         piece: Dict[str, List[bool]] = {}
         if self.my_teacher is not None:
-            model = self.backend.model
-            end = self.tokenizer.eos_token_id
-            for r in evals:
-                if r.task is None or not isinstance(r.prompt, str) or \
-                        self.router.group_of(self.router.route(r.agent)) != self.my_teacher:
-                    continue
-                ids = torch.tensor([chat_prompt(self.tokenizer, r.prompt)])
+            mine = [r for r in evals if r.task is not None and isinstance(r.prompt, str)
+                    and self.router.group_of(self.router.route(r.agent)) == self.my_teacher]
+            if mine:
+                # one left-padded batch: generation appends on the right
+                prompts = [chat_prompt(self.tokenizer, r.prompt) for r in mine]
+                width = max(map(len, prompts))
+                ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+                attn = torch.zeros_like(ids)
+                for i, p in enumerate(prompts):
+                    ids[i, width - len(p):] = torch.tensor(p)
+                    attn[i, width - len(p):] = 1
                 with torch.no_grad():
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                         max_new_tokens=self.cfg.generator.sampling.max_tokens, eos_token_id=end,
-                                         pad_token_id=self.pad_id)
-                text = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-                piece.setdefault(_task_key(r), []).append(bool(score(r.task, text, r.answer).correct))
+                    out = self.backend.model.generate(ids.to(self.backend.device), attention_mask=attn.to(self.backend.device),
+                                                      do_sample=False, max_new_tokens=self.cfg.generator.sampling.max_tokens,
+                                                      eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.pad_id)
+                for r, row in zip(mine, out[:, width:].cpu()):
+                    text = self.tokenizer.decode(row, skip_special_tokens=True)
+                    piece.setdefault(_task_key(r), []).append(bool(score(r.task, text, r.answer).correct))
         merged: Dict[str, List[bool]] = {}
         for g in self.teacher_groups:
             for k, v in share(piece if self.ident.global_rank == self.teacher_first[g] else None,

@@ -115,11 +115,13 @@ class Progress:
         self.path = Path(run_dir) / PROGRESS
         self.total, self.first = total_steps, first_step
         self.t0 = time.time()
-        self.step_times: List[float] = []
+        self.steps_t0: Optional[float] = None
 
     def update(self, step: int, phase: str, done_steps: Optional[int] = None) -> None:
-        done = step - self.first if done_steps is None else done_steps
-        per_step = (time.time() - self.t0) / done if done > 0 else None
+        if self.steps_t0 is None and not phase.startswith("eval"):
+            self.steps_t0 = time.time()  # the ETA counts step time only, not the opening evaluation
+        done = step - self.first if done_steps is None else done_steps - (self.first - 1)
+        per_step = (time.time() - self.steps_t0) / done if done > 0 and self.steps_t0 else None
         left = self.total - (step - 1) if done_steps is None else self.total - done_steps
         _atomic_json(self.path, {"step": step, "total_steps": self.total, "phase": phase, "time": time.time(),
                                  "elapsed_s": time.time() - self.t0, "s_per_step": per_step,

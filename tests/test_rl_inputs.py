@@ -1,0 +1,108 @@
+"""Bad input to an RL run is refused on the launching machine, before any rank starts:
+malformed dataset rows (file and line), unmapped agents under strict routing, checkpoints
+without a tokenizer or with an unsupported architecture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.config import load_config
+from hpc_rl.data.tasks import mixed, write_jsonl
+from hpc_rl.launch import main
+from hpc_rl.models.assets import ModelSpec, save_untrained
+from hpc_rl.rl.inputs import check_inputs, eval_records, load_dataset
+
+SPEC = ModelSpec(hidden=32, intermediate=64, layers=1, heads=1, max_positions=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_untrained(tmp_path_factory.mktemp("ckpt") / "m", SPEC)
+
+
+def _overrides(model_dir: Path, tmp_path: Path, *extra: str) -> list:
+    return ["+recipe=tiny_mopd", f"model.path={model_dir}", f"teachers.add.checkpoint={model_dir}",
+            f"teachers.mul.checkpoint={model_dir}", f"run.dir={tmp_path / 'run'}", *extra]
+
+
+def _launch(capsys, args) -> tuple:
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _dataset(tmp_path: Path, rows: list, bad_line: str = None, at: int = 2) -> Path:
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    if bad_line is not None:
+        lines = path.read_text().splitlines()
+        lines.insert(at - 1, bad_line)
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_row_names_file_and_line_and_nothing_starts(model_dir, tmp_path, capsys):
+    data = _dataset(tmp_path, mixed(3, tasks=("addition_1digit", "multiplication_1digit")), '{"prompt": "2+2?"}', at=3)
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, f"data.path={data}"))
+    assert code == 2
+    assert f"{data}:3: missing field 'agent'" in text and "data.skip_invalid=true" in text
+    assert not (tmp_path / "run").exists()  # refused before the run directory exists
+
+
+def test_malformed_rows_can_be_skipped_and_counted(model_dir, tmp_path):
+    data = _dataset(tmp_path, mixed(3, tasks=("addition_1digit", "multiplication_1digit")), "{not json", at=2)
+    cfg = load_config(_overrides(model_dir, tmp_path, f"data.path={data}", "data.skip_invalid=true"))
+    cfg, ds = check_inputs(cfg)
+    assert len(ds) == 6 and ds.skipped == 1 and ds.skipped_lines == [2]
+
+
+def test_strict_routing_rejects_an_unmapped_agent_naming_it_and_the_aliases(model_dir, tmp_path, capsys):
+    rows = mixed(2, tasks=("addition_1digit",)) + [{"prompt": "reverse abc", "agent": "reverse_agent", "answer": "cba",
+                                                     "task": "reverse"}]
+    data = _dataset(tmp_path, rows)
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, f"data.path={data}"))
+    assert code == 2
+    assert "'reverse_agent'" in text and "routing.strict" in text and "['add', 'mul']" in text
+    # without strict routing, a default alias takes it
+    cfg = load_config(_overrides(model_dir, tmp_path, f"data.path={data}", "routing.strict=false", "routing.default=add"))
+    check_inputs(cfg)
+
+
+def test_checkpoint_without_tokenizer_or_with_unsupported_architecture_is_refused(model_dir, tmp_path, capsys):
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(model_dir, no_tok)
+    for f in no_tok.glob("tokenizer*"):
+        f.unlink()
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(model_dir, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (gpt2 / "config.json").write_text(json.dumps(cfg))
+    args = _overrides(model_dir, tmp_path, f"model.path={no_tok}", f"teachers.mul.checkpoint={gpt2}")
+    code, text = _launch(capsys, args)
+    assert code == 2 and "2 problems" in text
+    assert "model.path" in text and "no tokenizer" in text
+    assert "teachers.mul.checkpoint" in text and "GPT2LMHeadModel" in text and "not supported" in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_tiny_model_and_missing_model_path(tmp_path, capsys, monkeypatch):
+    # no tiny asset is built for this: the name is checked against the built manifest only
+    # after a build, so point the cache at an empty directory and ask for an unset path
+    code, text = _launch(capsys, ["+recipe=tiny_mopd", "model.path=null", f"run.dir={tmp_path / 'run'}",
+                                  "teachers.add.checkpoint=/nonexistent/teacher", "teachers.mul.checkpoint=/nonexistent/teacher"])
+    assert code == 2
+    assert "model.path = None" in text and "tiny:student" in text
+    assert "/nonexistent/teacher is not a directory" in text
+
+
+def test_generated_dataset_and_eval_prompts(model_dir, tmp_path):
+    cfg = load_config(_overrides(model_dir, tmp_path, "data.samples_per_task=10"))
+    cfg, ds = check_inputs(cfg)
+    assert len(ds) == 20 and {r.agent for r in ds} == {"add_agent", "mul_agent"}
+    ev = eval_records(ds, 4, seed=1)
+    assert len(ev) == 8 and ev == eval_records(ds, 4, seed=1)  # fixed: the same at the start and the end
+    assert load_dataset(cfg).records == ds.records

@@ -1,0 +1,107 @@
+"""The RL loop end to end with real components: FSDP2 trainer, vLLM generator (CPU), two
+inference-only teachers and an env rank, as local processes and as Slurm het jobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpc_rl.slurm.executor import job_from_run_dir
+
+SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
+         "data.eval_prompts_per_task=8"]
+
+
+def _launch(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _steps(run: Path) -> list:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_rollouts(run: Path, steps: int, routes: dict) -> None:
+    with h5py.File(run / "rollouts.h5", "r") as f:
+        assert sorted(f) == [f"step_{s:06d}" for s in range(1, steps + 1)]
+        for s in range(1, steps + 1):
+            g = f[f"step_{s:06d}"]
+            for name in ("input_ids", "attention_mask", "response_mask", "generation_logprobs", "teacher_logprobs",
+                         "student_logprobs", "advantages", "rewards", "agents", "teachers"):
+                assert name in g, name
+            mask = g["response_mask"][:].astype(bool)
+            assert mask.any(axis=1).all()  # every sample has generated tokens
+            # every sampled token was scored by a teacher (a logprob is never exactly 0 here)
+            assert (g["teacher_logprobs"][:][mask] < 0).all()
+            assert (g["teacher_logprobs"][:][~mask] == 0).all() and (g["advantages"][:][~mask] == 0).all()
+            agents = [a.decode() for a in g["agents"][:]]
+            teachers = [t.decode() for t in g["teachers"][:]]
+            assert [routes[a] for a in agents] == teachers  # exactly one teacher per sample, by its agent
+            # The generator sampled with the weights the trainer had at that step: after each
+            # refit vLLM's logprobs equal the trainer's recomputation (fp32 on both sides).
+            diff = np.abs(g["generation_logprobs"][:][mask] - g["student_logprobs"][:][mask])
+            assert float(np.exp(diff).mean()) <= 1.001, f"step {s}: refit left vLLM and the trainer apart"
+            assert g.attrs["weight_version"] == s - 1
+
+
+@pytest.mark.slow
+def test_tiny_mopd_three_steps_locally(tmp_path):
+    run = tmp_path / "run"
+    proc = _launch("+recipe=tiny_mopd", "run.max_steps=3", f"run.dir={run}", "checkpoint.every_steps=2", *SMALL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "reverse KL to teacher" in proc.stdout and "accuracy (greedy)" in proc.stdout
+    rows = _steps(run)
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("step", 1), ("step", 2), ("step", 3), ("eval", 3)]
+    for r in rows[1:4]:
+        assert set(r["reverse_kl"]) == {"add", "mul", "mean"}
+        assert r["token_mult_prob_error"] <= 1.001
+        assert set(r["accuracy"]) == {"add_agent", "mul_agent"} and 0.0 <= r["reward_mean"] <= 1.0
+        assert r["optimizer_steps"] == 1 and r["grad_norm"] > 0
+        assert {"generate_s", "score_s", "train_s", "refit_s", "step_s"} <= set(r["timing"])
+    assert rows[0]["teacher_accuracy"] == {"add_agent": 1.0, "mul_agent": 1.0}
+    _check_rollouts(run, 3, {"add_agent": "add", "mul_agent": "mul"})
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and set(summary["start"]["reverse_kl"]) == {"add", "mul", "mean"}
+    # checkpoints at step 2 and the last step, keep_last=1 leaves the newest
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000003"]
+    assert (run / "FINISHED").exists()
+    for log in ("trainer", "generator", "teacher-add", "teacher-mul", "env"):
+        assert "setup done" in (run / "logs" / f"{log}.0.out").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes(local_slurm, tmp_path):
+    run = tmp_path / "run"
+    proc = _launch("+recipe=tiny_mopd", "cluster=local_slurm", "launcher=slurm", "launcher.wait=true",
+                   "trainer.nodes=2", "run.max_steps=2", f"run.dir={run}", *SMALL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job = job_from_run_dir(run)
+    roles = [r["role"] for r in job.results()]
+    assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/mul", "env"]
+    assert all(r["steps"] == 2 for r in job.results())
+    _check_rollouts(run, 2, {"add_agent": "add", "mul_agent": "mul"})
+    assert "student" in (run / "logs" / "trainer.0.out").read_text() and "FSDP2 over 2 ranks" in (run / "logs" / "trainer.0.out").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_scaled_down_ultra_mopd_starts_every_role_and_completes_two_steps(local_slurm, tmp_path):
+    run = tmp_path / "run"
+    proc = _launch("+recipe=ultra_mopd_tiny", "launcher.wait=true", f"run.dir={run}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job = job_from_run_dir(run)
+    assert [r["role"] for r in job.results()] == ["trainer", "generator", "teacher/general", "teacher/reasoning", "env"]
+    rows = [r for r in _steps(run) if r["kind"] == "step"]
+    assert [r["step"] for r in rows] == [1, 2]
+    # add_agent falls to the default alias (general), mul_agent is listed under reasoning
+    _check_rollouts(run, 2, {"add_agent": "general", "mul_agent": "reasoning"})
+    general_log = (run / "logs" / "teacher-general.0.out").read_text()
+    assert "aliases ['general', 'rlhf', 'ifbench']" in general_log
+    assert "aliases ['reasoning', 'swe']" in (run / "logs" / "teacher-reasoning.0.out").read_text()
+    assert "reverse KL to teacher" in proc.stdout
