@@ -89,3 +89,17 @@ def _free_port():
     from hpc_rl.launchers.local import free_port
 
     return free_port()
+
+
+def test_a_frozen_rank_is_found_by_heartbeats_and_every_rank_exits(tmp_path):
+    # SIGSTOP freezes the whole generator process, heartbeat thread included: what a hung
+    # node looks like. The supervisor sees a live process; only the heartbeats can tell.
+    proc, seconds = _launch(tmp_path, "ft.inject_failure=generator:0:freeze", "ft.heartbeat_interval_s=0.5",
+                            "ft.heartbeat_timeout_s=4")
+    assert proc.returncode != 0
+    verdict = (tmp_path / "run" / "errors" / "dead_rank.0.txt").read_text()
+    assert verdict.startswith("generator:0 missed heartbeats for") and "ft.heartbeat_timeout_s=4" in verdict
+    assert "generator:0 missed heartbeats" in proc.stderr
+    missed = float(verdict.split("for ")[1].split("s")[0])
+    assert 4.0 <= missed < 6.0  # detected within one beat of the timeout
+    assert seconds < 90

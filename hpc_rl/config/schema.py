@@ -284,7 +284,17 @@ class ContainerConfig:
 class FaultConfig:
     """Failure injection for chaos tests: make one rank fail on purpose."""
 
-    inject_failure: Optional[str] = None  # "<role>:<rank>", e.g. "generator:0" or "teacher/general:0"
+    # "<role>:<rank>[:<how>]", e.g. "generator:0" or "teacher/general:0:freeze". how: raise
+    # (default, at start-up), freeze (SIGSTOP itself: a hung node, only heartbeats see it),
+    # kill (SIGKILL itself), each optionally at a step: "generator:0:kill@3".
+    inject_failure: Optional[str] = None
+    # Dead ranks: every rank beats through the rendezvous store; one silent this long is dead
+    # and every other rank exits (0 turns heartbeats off).
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    max_restarts: int = 3  # requeues allowed after failures or time limits; then the job ends failed
+    # No checkpoint save starts unless it can finish this many seconds before the job's end.
+    save_margin_s: float = 30.0
 
 
 @dataclass

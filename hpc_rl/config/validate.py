@@ -316,11 +316,26 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("run.rendezvous_timeout_s", cfg.run.rendezvous_timeout_s, "must be >= 1", "e.g. run.rendezvous_timeout_s=300"))
     spec = cfg.ft.inject_failure
     if spec is not None:
-        role, _, rank = spec.rpartition(":")
+        from hpc_rl.runtime.faults import parse_injection
+
         names = [name for name, _, _ in role_sections(cfg)]
-        if role not in names or not rank.isdigit():
-            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank> naming a role of this job",
+        try:
+            inj = parse_injection(spec)
+            bad = inj.role not in names
+        except ValueError:
+            bad = True
+        if bad:
+            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank>[:raise|freeze|kill][@step] naming a role of this job",
                                  f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
+    ft = cfg.ft
+    if ft.heartbeat_timeout_s < 0 or (ft.heartbeat_timeout_s > 0 and ft.heartbeat_interval_s <= 0):
+        out.append(Violation("ft.heartbeat_timeout_s", ft.heartbeat_timeout_s, "needs a timeout >= 0 and an interval > 0",
+                             "e.g. ft.heartbeat_interval_s=1 ft.heartbeat_timeout_s=30 (0 turns heartbeats off)"))
+    elif ft.heartbeat_timeout_s > 0 and ft.heartbeat_timeout_s < 3 * ft.heartbeat_interval_s:
+        out.append(Violation("ft.heartbeat_timeout_s", ft.heartbeat_timeout_s, "must cover at least 3 heartbeat intervals",
+                             f"raise it to >= {3 * ft.heartbeat_interval_s:g} or lower ft.heartbeat_interval_s"))
+    if ft.max_restarts < 0:
+        out.append(Violation("ft.max_restarts", ft.max_restarts, "must be >= 0", "0 never requeues"))
 
 
 RULES: List[Callable[[List[Violation], RunConfig], None]] = [

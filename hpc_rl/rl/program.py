@@ -21,6 +21,7 @@ checkpoint.every_steps; the run resumes from the newest complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -36,11 +37,16 @@ from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_a
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.data.dataset import PromptIterator, PromptRecord
 from hpc_rl.refit.vllm_engine import Rollouts, SampleRow, pad_rows
+from hpc_rl.runtime.faults import maybe_inject
 from hpc_rl.runtime.identity import role_offsets
 
 from .exchange import gather_all, interleave, share, strided
 from .inputs import eval_records, load_dataset
 from .records import MetricsLog, Progress, RolloutStore, summarize
+
+SAVE_REQUEST = ".save_request.{restart}"  # touched by the batch shell's USR1 trap
+STOPPED = "stopped.{restart}.json"  # the ranks saved and stopped on request: requeue, do not fail
+RESTARTS = "restarts.jsonl"  # one line per resume: from which step, how many steps recomputed
 
 TRAINER_SEED_SPACE = 1_000_003
 
@@ -329,22 +335,26 @@ class RLProgram:
         if evals and start == 1:
             self._evaluate("start", evals, 0, progress, metrics_log)
         last: Dict[str, Any] = {}
+        self._last_saved = start - 1
         for step in range(start, cfg.run.max_steps + 1):
+            # Between steps: has the batch shell asked for a save (USR1: the time limit is near)?
+            stop = share(self._save_requested() if self.is_driver else None, src=0, group=self.ctx.groups.world)
+            if stop:
+                return self._stop_for_requeue(step - 1, it, stop)
+            maybe_inject(cfg.ft.inject_failure, self.role, self.ident.role_rank, self.ident.restart, step)
             t0 = time.perf_counter()
-            if progress:
-                progress.update(step, "generate")
+            self._phase(progress, step, "generate")
             records = None
             if self.is_driver:
                 records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)]
             batch = self.collect(records, sampling, stream=1, step=step, with_teachers=self.mopd, with_env=True)
-            if progress:
-                progress.update(step, "train")
+            self._phase(progress, step, "train")
             train_metrics = self.train(batch) if self.is_trainer else {}
             t_train = time.perf_counter()
-            if progress:
-                progress.update(step, "refit")
+            self._phase(progress, step, "refit")
             refit_s = self.refit(step)
-            if self.is_trainer and (step % cfg.checkpoint.every_steps == 0 or step == cfg.run.max_steps):
+            if step % cfg.checkpoint.every_steps == 0 or step == cfg.run.max_steps:
+                self._phase(progress, step, "checkpoint")
                 self._checkpoint(step, it)
             if self.is_driver:
                 timing = dict(self.timing, train_s=t_train - t0 - self.timing["generate_s"] - self.timing["score_s"],
@@ -353,14 +363,64 @@ class RLProgram:
                 self.log.info("step %d/%d: %s", step, cfg.run.max_steps, _brief(last))
         if evals:
             self._evaluate("end", evals, cfg.run.max_steps, progress, metrics_log)
+        digest = self._weights_digest()
         summary = None
         if self.is_driver:
-            summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe})
+            summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe,
+                                                   "final_weights_sha256": digest, "restarts": self.ident.restart})
             progress.update(cfg.run.max_steps + 1, "done", done_steps=cfg.run.max_steps)
-            (self.ctx.run_dir / "FINISHED").write_text(f"{time.time()}\n")
+        self.ctx.finish()  # before the final barrier: no peer sees this rank go quiet first
         dist.barrier(group=self.ctx.groups.world)
         return {"role": self.role, "rank": self.ident.role_rank, "steps": cfg.run.max_steps - start + 1,
                 "summary": summary}
+
+    def _phase(self, progress, step: int, phase: str) -> None:
+        self.ctx.set_phase(f"step {step} {phase}")
+        if progress:
+            progress.update(step, phase)
+
+    # --------------------------------------------------------------------- preemption, deadlines
+    def _save_requested(self) -> Optional[str]:
+        """The batch shell touches this file when Slurm sends USR1 (time limit near)."""
+        req = self.ctx.run_dir / SAVE_REQUEST.format(restart=self.ident.restart)
+        return req.read_text().strip() or "save requested" if req.exists() else None
+
+    def _stop_for_requeue(self, done_step: int, it: PromptIterator, why: str) -> Dict[str, Any]:
+        t0 = time.time()
+        if done_step > self._last_saved:
+            self._checkpoint(done_step, it)
+        if self.is_driver:
+            self.log.warning("stopping after step %d for a requeue (%s); checkpoint on disk %.2fs after the request",
+                             done_step, why, time.time() - t0)
+            (self.ctx.run_dir / STOPPED.format(restart=self.ident.restart)).write_text(
+                json.dumps({"step": done_step, "saved": self._last_saved == done_step, "time": time.time()}) + "\n")
+        self.ctx.finish()
+        dist.barrier(group=self.ctx.groups.world)
+        return {"role": self.role, "rank": self.ident.role_rank, "stopped_after": done_step}
+
+    def _save_fits(self) -> bool:
+        """No save starts that cannot finish before the job ends (HPC_RL_JOB_END, epoch s)."""
+        end = os.environ.get("HPC_RL_JOB_END")
+        if not end:
+            return True
+        estimate = 1.5 * getattr(self, "_last_save_s", 10.0)
+        left = float(end) - time.time() - self.cfg.ft.save_margin_s
+        return left > estimate
+
+    def _weights_digest(self) -> Optional[str]:
+        """sha256 of the trained weights (name, dtype, bytes in order): resumed runs compare equal bit for bit."""
+        import hashlib
+
+        if not self.is_trainer:
+            return None
+        state = self.backend.full_state_dict()
+        if not self.is_driver:
+            return None
+        h = hashlib.sha256()
+        for k in sorted(state):
+            h.update(k.encode())
+            h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def _sampling(self) -> Dict[str, Any]:
         s = self.cfg.generator.sampling
@@ -465,14 +525,25 @@ class RLProgram:
         return Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else self.ctx.run_dir / "checkpoints"
 
     def _checkpoint(self, step: int, it: PromptIterator) -> None:
+        """Every rank calls it (the go/no-go decision is shared); trainer ranks save."""
         from hpc_rl.ckpt import apply_retention, capture_rng_state, save_checkpoint
 
-        extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state()}
-        config_yaml = (self.ctx.run_dir / "config.yaml").read_text()
-        save_checkpoint(self._ckpt_root(), step, self.backend, extra, config_yaml, group=self.ctx.groups.role,
-                        recipe=self.cfg.recipe)
-        if self.is_driver:
-            apply_retention(self._ckpt_root(), self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+        go = share(self._save_fits() if self.is_driver else None, src=0, group=self.ctx.groups.world)
+        if not go:
+            if self.is_driver:
+                self.log.warning("step %d: checkpoint skipped, it would not finish %.0fs before the job's end "
+                                 "(last save took %.1fs)", step, self.cfg.ft.save_margin_s, getattr(self, "_last_save_s", 0.0))
+            return
+        if self.is_trainer:
+            t0 = time.time()
+            extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state()}
+            config_yaml = (self.ctx.run_dir / "config.yaml").read_text()
+            save_checkpoint(self._ckpt_root(), step, self.backend, extra, config_yaml, group=self.ctx.groups.role,
+                            recipe=self.cfg.recipe)
+            self._last_save_s = time.time() - t0
+            if self.is_driver:
+                apply_retention(self._ckpt_root(), self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+        self._last_saved = step
 
     def _resume(self, it: PromptIterator) -> int:
         """The first step to run: 1, or one past the newest complete checkpoint (trainer ranks
@@ -494,9 +565,13 @@ class RLProgram:
             it.load_state_dict(extra["iterator"])
             restore_rng_state(extra["rng"])
         if self.is_driver:
-            dropped = MetricsLog(self.ctx.run_dir).truncate_after(step), RolloutStore(self.ctx.run_dir).truncate_after(step)
-            self.log.info("resumed from %s (step %d); dropped %d metric records and %d rollout groups of later steps",
-                          path, step, *dropped)
+            recomputed = MetricsLog(self.ctx.run_dir).truncate_after(step)
+            RolloutStore(self.ctx.run_dir).truncate_after(step)
+            self.log.info("restart %d resumed from %s (step %d); %d completed steps after it will be recomputed",
+                          self.ident.restart, path, step, recomputed)
+            with (self.ctx.run_dir / RESTARTS).open("a") as f:
+                f.write(json.dumps({"restart": self.ident.restart, "resumed_from_step": step, "checkpoint": path,
+                                    "steps_recomputed": recomputed, "time": time.time()}) + "\n")
         self.refit(step)  # the generators still hold the initial weights
         return step + 1
 

@@ -60,14 +60,16 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def truncate_after(self, step: int) -> int:
-        """Drop records of steps > step (recomputed after a resume); returns how many."""
+        """Drop records of steps > step (recomputed after a resume); returns how many training
+        steps were dropped."""
         rows = self.read()
         keep = [r for r in rows if r.get("step", 0) <= step and not (r.get("kind") == "eval" and r.get("tag") == "end")]
+        dropped_steps = sum(1 for r in rows if r.get("kind") == "step" and r.get("step", 0) > step)
         if len(keep) != len(rows):
             tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
             os.replace(tmp, self.path)
-        return len(rows) - len(keep)
+        return dropped_steps
 
 
 class RolloutStore:

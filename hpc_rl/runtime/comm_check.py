@@ -45,6 +45,7 @@ def run(ctx) -> Dict[str, Any]:
         received[name] = float(buf.sum())
     out["broadcasts"] = received
     out["ep_group"] = _ep_group_check(ctx)
+    ctx.finish()  # before the final barrier: no peer sees this rank go quiet first
     dist.barrier(group=groups.world)
     out["seconds"] = time.perf_counter() - t0
     ctx.log.info("comm_check ok: role all-reduce %s, broadcasts %s", out["role_allreduce"], sorted(received))

@@ -28,6 +28,9 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
 
 from .identity import RankIdentity, identity_from_env, rendezvous_port
+from .faults import maybe_inject
+
+FINISHED = "FINISHED"
 from .programs import PROGRAMS
 
 
@@ -45,6 +48,16 @@ class RankContext:
     placement: Any  # hpc_rl.plan.placement.JobPlacement: how segments landed on domains
     store_addr: str = "127.0.0.1"  # where the TCPStore listens (vLLM workers join refit groups through it)
     store_port: int = 0
+    heartbeat: Any = None  # hpc_rl.runtime.heartbeat.Heartbeat, or None when ft.heartbeat_timeout_s = 0
+
+    def set_phase(self, phase: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.set_status(phase)
+
+    def finish(self) -> None:
+        """Call before the program's final barrier: silence from here on is not a death."""
+        if self.heartbeat is not None:
+            self.heartbeat.finish()
 
 
 def load_run(run_dir: Path) -> tuple:
@@ -68,10 +81,14 @@ def rank_logger(ident: RankIdentity) -> logging.Logger:
     return log
 
 
-def maybe_inject_failure(cfg: RunConfig, ident: RankIdentity) -> None:
-    spec = cfg.ft.inject_failure
-    if spec and spec == f"{ident.role}:{ident.role_rank}":
-        raise RuntimeError(f"injected failure on {ident.role}:{ident.role_rank} (ft.inject_failure={spec})")
+def start_heartbeat(cfg: RunConfig, plan: JobPlan, ident: RankIdentity, run_dir: Path, addr: str, port: int, log):
+    from .heartbeat import Heartbeat
+    from .rendezvous import describe_rank
+
+    if cfg.ft.heartbeat_timeout_s <= 0:
+        return None
+    return Heartbeat(addr, port, ident.global_rank, ident.world_size, ident.restart, lambda r: describe_rank(plan, r),
+                     run_dir, cfg.ft.heartbeat_interval_s, cfg.ft.heartbeat_timeout_s, log).start()
 
 
 def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
@@ -110,11 +127,16 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     log.info("rendezvoused with %d ranks in %.2fs", ident.world_size, time.perf_counter() - t0)
     timing = {"process_start": float(environ.get("HPC_RL_T_START") or t_imported), "imported": t_imported,
               "rendezvoused": time.time()}
-    maybe_inject_failure(cfg, ident)
+    heartbeat = start_heartbeat(cfg, plan, ident, run_path, addr, port, log)
+    maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart)
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
-    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement, addr, port)
+    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement, addr, port, heartbeat)
     result = PROGRAMS[cfg.run.program]()(ctx)
+    ctx.finish()
+    if ident.global_rank == 0 and not (isinstance(result, dict) and "stopped_after" in result):
+        # the run is complete: the batch shell never requeues it, a resubmission does nothing
+        (run_path / FINISHED).write_text(f"{time.time()}\n")
     _shutdown()
     return result
 

@@ -1,0 +1,56 @@
+"""Failure injection for chaos tests (`ft.inject_failure`), parsed in one place.
+
+"<role>:<rank>[:<how>][@<step>]": how is raise (an exception, the default), freeze
+(SIGSTOP the process: a hung node that only heartbeats can notice) or kill (SIGKILL:
+a crashed process). Without @step it fires at start-up, after rendezvous; with it, at the
+start of that training step. It fires on the first run only (restart 0), so a requeued
+job recovers instead of failing again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+HOWS = ("raise", "freeze", "kill")
+
+
+@dataclass(frozen=True)
+class Injection:
+    role: str
+    rank: int
+    how: str = "raise"
+    step: Optional[int] = None
+
+
+def parse_injection(spec: str) -> Injection:
+    """Raises ValueError saying what is wrong."""
+    body, _, step = spec.partition("@")
+    parts = body.split(":")
+    how = "raise"
+    if len(parts) >= 3 and parts[-1] in HOWS:
+        how = parts.pop()
+    if len(parts) < 2 or not parts[-1].isdigit():
+        raise ValueError("expected <role>:<rank>[:raise|freeze|kill][@step]")
+    if step and not step.isdigit():
+        raise ValueError(f"step {step!r} is not an integer")
+    return Injection(":".join(parts[:-1]), int(parts[-1]), how, int(step) if step else None)
+
+
+def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, step: Optional[int] = None) -> None:
+    if not spec or restart > 0:
+        return
+    inj = parse_injection(spec)
+    if inj.role != role or inj.rank != role_rank or inj.step != step:
+        return
+    where = f"{role}:{role_rank}" + (f" at step {step}" if step is not None else "")
+    if inj.how == "kill":
+        print(f"hpc_rl: injected failure: SIGKILL on {where} (ft.inject_failure={spec})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if inj.how == "freeze":
+        print(f"hpc_rl: injected failure: SIGSTOP on {where} (ft.inject_failure={spec})", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    raise RuntimeError(f"injected failure on {where} (ft.inject_failure={spec})")

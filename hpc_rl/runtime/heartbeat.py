@@ -1,0 +1,134 @@
+"""Dead-rank detection through the rendezvous store: no rank sits hung on a collective.
+
+Every rank runs a daemon thread with its own store connection that, each
+`ft.heartbeat_interval_s`, bumps its counter `hb/<restart>/<rank>` and publishes what it
+is doing (step and phase). Trainer rank 0, which hosts the store, also watches: a rank
+whose counter has not moved for `ft.heartbeat_timeout_s` (killed, frozen, node gone) is
+declared dead. The watcher judges by its own clock when it last saw each counter move,
+so clock skew between nodes does not matter. It writes the verdict to `hb/<restart>/abort`
+and `errors/dead_rank.<restart>.txt`; every rank's thread polls that key and, when set,
+exits the process at once (`os._exit`): gloo and NCCL collectives cannot be interrupted
+from Python, so ending the process is the only way to abort them. Losing the store
+(trainer rank 0 itself died) is treated the same way, naming trainer:0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import torch.distributed as dist
+
+ABORT_EXIT_CODE = 75  # a peer died; this rank stopped on purpose
+DEAD_RANK_FILE = "dead_rank.{restart}.txt"
+
+
+def dead_rank_report(run_dir: Path, restart: int) -> Path:
+    return Path(run_dir) / "errors" / DEAD_RANK_FILE.format(restart=restart)
+
+
+class Heartbeat:
+    def __init__(self, addr: str, port: int, rank: int, world: int, restart: int, describe: Callable[[int], str],
+                 run_dir: Path, interval_s: float, timeout_s: float, log=None, exit_fn: Callable[[int], None] = os._exit):
+        self.addr, self.port, self.rank, self.world, self.restart = addr, port, rank, world, restart
+        self.describe, self.run_dir = describe, Path(run_dir)
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.log = log
+        self.exit_fn = exit_fn
+        self.status = "start"
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.detected: Optional[str] = None  # the verdict, when this rank saw one
+
+    def key(self, rank) -> str:
+        return f"hb/{self.restart}/{rank}"
+
+    def set_status(self, status: str) -> None:
+        self.status = status  # read by the thread at its next beat
+
+    def finish(self) -> None:
+        """The program is done: from now on this rank's silence is not a death (call it
+        before the final barrier, so no peer can see this rank go quiet first)."""
+        self.status = "done"
+        self._stop.set()
+
+    def start(self) -> "Heartbeat":
+        self._thread = threading.Thread(target=self._run, name="hpc_rl-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval_s + 1)
+
+    def _run(self) -> None:
+        try:
+            store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=max(self.timeout_s, 5)),
+                                  wait_for_workers=False)
+        except Exception as exc:  # cannot even connect: the host is gone
+            self._abort(f"trainer:0 (the rendezvous store host) unreachable: {exc}", None)
+            return
+        last_seen: Dict[int, tuple] = {}  # rank -> (counter, local time it last moved, status)
+        abort_key = f"hb/{self.restart}/abort"
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                store.add(self.key(self.rank), 1)
+                store.set(self.key(f"{self.rank}/status"), self.status)
+                if store.check([abort_key]):
+                    self._abort(store.get(abort_key).decode(), None)
+                    return
+                if self.rank == 0:
+                    for r in range(self.world):
+                        if r == 0:
+                            continue
+                        count = store.add(self.key(r), 0)
+                        prev = last_seen.get(r)
+                        if prev is None or count != prev[0]:
+                            last_seen[r] = (count, now)
+                        elif now - prev[1] > self.timeout_s:
+                            status = store.get(self.key(f"{r}/status")).decode() if store.check([self.key(f"{r}/status")]) else "?"
+                            if status == "done":  # finished its program: silence is expected
+                                continue
+                            verdict = (f"{self.describe(r)} missed heartbeats for {now - prev[1]:.1f}s "
+                                       f"(ft.heartbeat_timeout_s={self.timeout_s:g}); last seen in {status}")
+                            self._publish(store, abort_key, verdict)
+                            self._abort(verdict, store)
+                            return
+            except Exception as exc:  # the store (trainer rank 0's process) is gone
+                if self._stop.is_set() or self.status == "done":
+                    return
+                self._abort(f"trainer:0 (the rendezvous store host) stopped answering: {exc}", None)
+                return
+            self._stop.wait(self.interval_s)
+        try:  # tell the watcher this rank finished on purpose
+            store.set(self.key(f"{self.rank}/status"), self.status)
+        except Exception:
+            pass
+
+    def _publish(self, store, abort_key: str, verdict: str) -> None:
+        report = dead_rank_report(self.run_dir, self.restart)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(verdict + "\n")
+        store.set(abort_key, verdict)
+        # the others poll every interval: give them a beat to read the verdict before the
+        # store (hosted by this process) goes away
+        time.sleep(min(2 * self.interval_s, 5.0))
+
+    def _abort(self, verdict: str, store) -> None:
+        self.detected = verdict
+        msg = f"hpc_rl: {self.describe(self.rank)} aborting: {verdict}"
+        if self.log is not None:
+            self.log.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+        report = dead_rank_report(self.run_dir, self.restart)
+        if not report.exists():
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text(verdict + "\n")
+        self.exit_fn(ABORT_EXIT_CODE)
