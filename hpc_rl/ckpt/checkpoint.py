@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -203,7 +203,8 @@ def _dcp_call(fn, state: Dict[str, Any], checkpoint_id: Path, group: Optional[di
 
 
 def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], config_yaml: str,
-                    group: Optional[dist.ProcessGroup] = None, recipe: Optional[str] = None) -> Path:
+                    group: Optional[dist.ProcessGroup] = None, recipe: Optional[str] = None,
+                    before_publish: Optional[Callable[[], None]] = None) -> Path:
     """Write `<root>/step_<step:08d>` atomically; every rank of `group` must call it.
 
     `extra_state` is this rank's own (RNG states differ per rank); `recipe` defaults to the
@@ -240,6 +241,8 @@ def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], confi
     if _distributed(group):
         # Every rank's shards and extra state are on disk before rank 0 hashes and publishes.
         dist.barrier(group=group)
+    if before_publish is not None:  # chaos tests: die here, with everything but the manifest written
+        before_publish()
 
     if rank == 0:
         files = {}

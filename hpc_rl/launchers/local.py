@@ -75,6 +75,18 @@ def _error_line(run_dir: Path, role: str, rank: int) -> str:
     return f"{role}:{rank}: no error recorded (killed?)"
 
 
+def culprit(bad: List[Rank]) -> Rank:
+    """Among failed ranks: one killed by a signal, before one that raised (often a
+    'connection reset' from losing that peer), before one that stopped on a heartbeat
+    verdict (exit 75)."""
+    from hpc_rl.runtime.heartbeat import ABORT_EXIT_CODE
+
+    def score(r: Rank) -> int:
+        rc = r.proc.returncode
+        return 3 if rc < 0 else 1 if rc == ABORT_EXIT_CODE else 2
+    return max(bad, key=score)  # max keeps the first of equals: rank order
+
+
 class ProgressDisplay:
     """The run's progress.json (written by trainer rank 0) as one updating line on a
     terminal, or one line per change of step when the output is a file."""
@@ -149,16 +161,21 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
              + f"; logs in {logs_dir}")
         failed: Optional[Rank] = None
         shown = ProgressDisplay(run_dir, echo)
+        first_bad: Optional[float] = None
         while any(r.proc.poll() is None for r in ranks):
             shown.poll()
             bad = [r for r in ranks if r.proc.poll() not in (None, 0)]
-            if bad:
-                failed = bad[0]
+            if bad and first_bad is None:
+                first_bad = time.monotonic()
+            # a moment for the peers of a dead rank to fail too, so the culprit can be told apart
+            if bad and time.monotonic() - first_bad >= 2.0:
+                failed = culprit(bad)
                 break
             time.sleep(0.1)
         shown.close()
         if failed is None:
-            failed = next((r for r in ranks if r.proc.returncode != 0), None)
+            bad = [r for r in ranks if r.proc.returncode != 0]
+            failed = culprit(bad) if bad else None
         if failed is not None:
             echo(f"[local] {failed.role}:{failed.role_rank} exited {failed.proc.returncode}; stopping the other ranks")
             _stop(ranks, grace_s)

@@ -538,8 +538,10 @@ class RLProgram:
             t0 = time.time()
             extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state()}
             config_yaml = (self.ctx.run_dir / "config.yaml").read_text()
+            spec, ident = self.cfg.ft.inject_failure, self.ident
             save_checkpoint(self._ckpt_root(), step, self.backend, extra, config_yaml, group=self.ctx.groups.role,
-                            recipe=self.cfg.recipe)
+                            recipe=self.cfg.recipe,
+                            before_publish=lambda: maybe_inject(spec, ident.role, ident.role_rank, ident.restart, f"save{step}"))
             self._last_save_s = time.time() - t0
             if self.is_driver:
                 apply_retention(self._ckpt_root(), self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)

@@ -3,7 +3,8 @@
 "<role>:<rank>[:<how>][@<step>]": how is raise (an exception, the default), freeze
 (SIGSTOP the process: a hung node that only heartbeats can notice) or kill (SIGKILL:
 a crashed process). Without @step it fires at start-up, after rendezvous; with it, at the
-start of that training step. It fires on the first run only (restart 0), so a requeued
+start of that training step; with @save<N>, inside the checkpoint save of step N, after the
+shards are written and before the save is published. It fires on the first run only (restart 0), so a requeued
 job recovers instead of failing again.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 HOWS = ("raise", "freeze", "kill")
 
@@ -22,7 +23,7 @@ class Injection:
     role: str
     rank: int
     how: str = "raise"
-    step: Optional[int] = None
+    step: Union[None, int, str] = None  # a training step, or "save<N>": inside the save of step N
 
 
 def parse_injection(spec: str) -> Injection:
@@ -34,12 +35,18 @@ def parse_injection(spec: str) -> Injection:
         how = parts.pop()
     if len(parts) < 2 or not parts[-1].isdigit():
         raise ValueError("expected <role>:<rank>[:raise|freeze|kill][@step]")
-    if step and not step.isdigit():
-        raise ValueError(f"step {step!r} is not an integer")
-    return Injection(":".join(parts[:-1]), int(parts[-1]), how, int(step) if step else None)
+    at: Union[None, int, str] = None
+    if step:
+        if step.isdigit():
+            at = int(step)
+        elif step.startswith("save") and step[4:].isdigit():
+            at = step
+        else:
+            raise ValueError(f"@{step}: expected a step number or save<step>")
+    return Injection(":".join(parts[:-1]), int(parts[-1]), how, at)
 
 
-def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, step: Optional[int] = None) -> None:
+def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, step: Union[None, int, str] = None) -> None:
     if not spec or restart > 0:
         return
     inj = parse_injection(spec)

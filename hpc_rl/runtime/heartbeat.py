@@ -51,6 +51,40 @@ class Heartbeat:
     def set_status(self, status: str) -> None:
         self.status = status  # read by the thread at its next beat
 
+    def census(self, store, wait_s: Optional[float] = None) -> list:
+        """Ranks whose heartbeat stopped: counters that did not move over two beats. Called
+        when this rank's program failed, to tell a dead peer from the peers that merely lost
+        it ('connection closed' everywhere). Returns [(rank, status)]."""
+        wait_s = 2 * self.interval_s + 0.5 if wait_s is None else wait_s
+        others = [r for r in range(self.world) if r != self.rank]
+        before = {r: store.add(self.key(r), 0) for r in others}
+        time.sleep(wait_s)
+        dead = []
+        for r in others:
+            if store.add(self.key(r), 0) == before[r]:
+                skey = self.key(f"{r}/status")
+                status = store.get(skey).decode() if store.check([skey]) else "?"
+                if status != "done":
+                    dead.append((r, status))
+        return dead
+
+    def report_dead_peers(self, store, error: str) -> Optional[str]:
+        """After a failure here: name the peers that stopped beating, in the dead-rank report
+        the batch shell reads. Returns the verdict, or None when every peer still beats."""
+        try:
+            dead = self.census(store)
+        except Exception:
+            return None  # the store is gone too: nothing to learn from it
+        if not dead:
+            return None
+        verdict = "; ".join(f"{self.describe(r)} stopped beating (killed or hung; last seen in {st})" for r, st in dead)
+        verdict += f" -- {self.describe(self.rank)} then failed: {error}"
+        report = dead_rank_report(self.run_dir, self.restart)
+        if not report.exists():
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text(verdict + "\n")
+        return verdict
+
     def finish(self) -> None:
         """The program is done: from now on this rank's silence is not a death (call it
         before the final barrier, so no peer can see this rank go quiet first)."""

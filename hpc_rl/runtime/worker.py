@@ -132,7 +132,15 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
     ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement, addr, port, heartbeat)
-    result = PROGRAMS[cfg.run.program]()(ctx)
+    try:
+        result = PROGRAMS[cfg.run.program]()(ctx)
+    except BaseException as exc:
+        if heartbeat is not None:
+            # a peer's death shows here as 'connection closed': find out whom we lost
+            verdict = heartbeat.report_dead_peers(store, f"{type(exc).__name__}: {str(exc)[:200]}")
+            if verdict:
+                log.error("%s", verdict)
+        raise
     ctx.finish()
     if ident.global_rank == 0 and not (isinstance(result, dict) and "stopped_after" in result):
         # the run is complete: the batch shell never requeues it, a resubmission does nothing

@@ -1,0 +1,128 @@
+"""Chaos drills: interrupt a real run on a Slurm cluster and check it finishes as if
+nothing happened. Used by the chaos tests and `bench/faults.py` on the local cluster.
+
+Slurm holds a requeued job for about two minutes (BeginTime); on a test cluster
+`release=True` lets it start at once (`scontrol update JobId=N StartTime=now`), which a
+real cluster's policy would not allow from user space.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+from .executor import job_from_run_dir
+
+
+@dataclass
+class DrillResult:
+    state: str  # the job's final state as squeue/sacct/job_exit.json say
+    seconds: float
+    job_id: str
+    restarts: List[dict] = field(default_factory=list)  # restarts.jsonl of the run
+    job_exit: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    events: dict = field(default_factory=dict)  # what the drill measured (seconds, steps)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "COMPLETED" and bool(self.summary)
+
+
+def launch(run_dir: Path, overrides: Sequence[str], env: Optional[dict] = None) -> str:
+    """Submit (launcher=slurm, not waiting); returns the job id."""
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *overrides, "launcher=slurm", "launcher.wait=false",
+                           f"run.dir={run_dir}"], capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return job_from_run_dir(run_dir).job_id
+
+
+def squeue_state(job_id: str) -> Optional[tuple]:
+    """(state, reason) of the job, or None when Slurm no longer lists it. A requeued het
+    job shows BeginTime on one component and Resources on the others: any BeginTime wins."""
+    lines = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout.splitlines()
+    rows = [(ln.split() + [""])[:2] for ln in lines if ln.strip()]
+    if not rows:
+        return None
+    held = [r for r in rows if r[0] == "PENDING" and r[1] == "BeginTime"]
+    return tuple(held[0] if held else rows[0])
+
+
+def steps_done(run_dir: Path) -> int:
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return 0
+    return sum(1 for line in p.read_text().splitlines() if '"kind": "step"' in line)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
+def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = True) -> str:
+    """Until the job leaves the queue for good; releases requeue holds on the way."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        st = squeue_state(job_id)
+        if st is None:
+            exit_path = Path(run_dir) / "job_exit.json"
+            if exit_path.exists():
+                ex = json.loads(exit_path.read_text())
+                if not ex.get("requeued"):
+                    return "COMPLETED" if ex.get("exit_code") == 0 else "FAILED"
+            time.sleep(1.0)  # between the requeue and the job being listed again
+            continue
+        state, reason = st
+        if release and state == "PENDING" and reason == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        time.sleep(0.5)
+    raise TimeoutError(f"job {job_id} still in the queue after {timeout_s:.0f}s")
+
+
+def result(run_dir: Path, job_id: str, state: str, t0: float, events: Optional[dict] = None) -> DrillResult:
+    run_dir = Path(run_dir)
+    restarts = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()] \
+        if (run_dir / "restarts.jsonl").exists() else []
+    job_exit = json.loads((run_dir / "job_exit.json").read_text()) if (run_dir / "job_exit.json").exists() else {}
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return DrillResult(state, time.monotonic() - t0, job_id, restarts, job_exit, summary, events or {})
+
+
+def uninterrupted(run_dir: Path, overrides: Sequence[str], timeout_s: float = 900) -> DrillResult:
+    t0 = time.monotonic()
+    job = launch(run_dir, overrides)
+    return result(run_dir, job, follow(run_dir, job, timeout_s), t0)
+
+
+def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float = 900) -> DrillResult:
+    """USR1 to the batch shell (what Slurm sends before the time limit) once `after_steps`
+    steps are done: the ranks save and stop, the job requeues itself and resumes."""
+    t0 = time.monotonic()
+    job = launch(run_dir, overrides)
+    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps")
+    t_sig = time.time()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
+    stopped = Path(run_dir) / "stopped.0.json"
+    wait_for(stopped.exists, 300, "the ranks to save and stop")
+    saved = json.loads(stopped.read_text())
+    events = {"usr1_to_checkpoint_s": saved["time"] - t_sig, "stopped_after_step": saved["step"],
+              "checkpoint_saved": saved["saved"]}
+    return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
+
+
+def external_requeue(run_dir: Path, job: str, after_steps: int, timeout_s: float = 900) -> dict:
+    """`scontrol requeue` from outside once `after_steps` steps are done."""
+    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps")
+    subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+    return {"requeued_after_steps": steps_done(run_dir)}

@@ -1,0 +1,42 @@
+"""Chaos with the local launcher: a SIGKILL inside a checkpoint save, then a rerun in the
+same run directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["+recipe=tiny_grpo", "run.max_steps=4", "algo.prompts_per_step=8", "algo.generations_per_prompt=2",
+         "trainer.global_batch_size=16", "data.samples_per_task=16", "data.eval_prompts_per_task=0",
+         "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
+
+
+def _launch(*args):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_kill_during_a_save_keeps_the_previous_checkpoint_and_the_rerun_resumes_from_it(tmp_path):
+    run = tmp_path / "run"
+    # trainer:0 SIGKILLs itself inside the save of step 4: shards written, manifest not yet
+    first = _launch(*SMALL, f"run.dir={run}", "ft.inject_failure=trainer:0:kill@save4")
+    assert first.returncode != 0 and "trainer:0" in first.stderr
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+    assert any(p.name.startswith(".tmp_step_4_") for p in ckpts.iterdir())  # the half-written save
+    assert json.loads((ckpts / "latest_checkpoint_status.json").read_text())["step"] == 2
+    assert not (run / "FINISHED").exists()
+
+    second = _launch(*SMALL, f"run.dir={run}")  # the same command again, no user action in between
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    (restart,) = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines()]
+    # step 3 was recorded before the kill and is the one step computed twice
+    assert restart["resumed_from_step"] == 2 and restart["steps_recomputed"] == 1
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002", "step_00000004"]
+    assert not any(p.name.startswith(".tmp_") for p in ckpts.iterdir())  # retention cleared the stale save
+    assert (run / "FINISHED").exists()

@@ -1,0 +1,73 @@
+"""Chaos on the local Slurm cluster: a real GRPO run (FSDP2 trainer, vLLM generator, env)
+is interrupted (USR1 before the time limit, a killed generator, `scontrol requeue` from
+outside, an exhausted retry budget) and must finish, or fail saying why, on its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_rl.slurm import chaos
+
+# 6 steps of 16 samples, a checkpoint every 2 steps, no evaluation: small but complete.
+RUN = ["+recipe=tiny_grpo", "cluster=local_slurm", "run.max_steps=6", "algo.prompts_per_step=8",
+       "algo.generations_per_prompt=2", "trainer.global_batch_size=16", "data.samples_per_task=16",
+       "data.eval_prompts_per_task=0", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+       "launcher.slurm.signal_grace_s=60"]
+
+
+@pytest.fixture(scope="module")
+def reference(local_slurm, tmp_path_factory):
+    """The same run without interruption: its final weights are what every drill must reach."""
+    res = chaos.uninterrupted(tmp_path_factory.mktemp("ref") / "run", RUN)
+    assert res.finished, res
+    return res
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_usr1_saves_requeues_resumes_and_matches_the_uninterrupted_weights(local_slurm, reference, tmp_path):
+    run = tmp_path / "run"
+    res = chaos.usr1_mid_run(run, RUN, after_steps=3)
+    assert res.finished, res
+    assert res.events["checkpoint_saved"] and res.events["stopped_after_step"] >= 3
+    # resumed exactly where it stopped: no step computed twice
+    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == \
+        [(1, res.events["stopped_after_step"], 0)]
+    assert res.summary["restarts"] == 1 and res.summary["steps"] == 6
+    assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
+    assert (run / "logs" / "trainer.1.out").exists()  # logs carry the restart count
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_killed_generator_then_external_requeue_both_recover(local_slurm, reference, tmp_path):
+    run = tmp_path / "run"
+    t0 = chaos.time.monotonic()
+    # SIGKILL of the generator at the start of step 4: steps 3 (after the step-2 checkpoint)
+    # is lost and recomputed; then `scontrol requeue` from outside during the second attempt
+    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
+    chaos.wait_for(lambda: (run / "restarts.jsonl").exists(), 600, "the first resume", poll_s=1.0)
+    # the external requeue lands once restart 1 has made progress past its checkpoint
+    chaos.wait_for(lambda: chaos.steps_done(run) >= 4, 600, "step 4 on restart 1")
+    chaos.subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+    res = chaos.result(run, job, chaos.follow(run, job), t0)
+    assert res.finished, res
+    first, second = res.restarts
+    assert first["restart"] == 1 and first["resumed_from_step"] == 2 and first["steps_recomputed"] == 1
+    assert second["restart"] == 2 and second["resumed_from_step"] == 4
+    assert all((run / "logs" / f"generator.{k}.out").exists() for k in (0, 1, 2))  # one log per restart
+    assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_retry_budget_exhausted_ends_the_job_failed_saying_so(local_slurm, tmp_path):
+    run = tmp_path / "run"
+    t0 = chaos.time.monotonic()
+    job = chaos.launch(run, [*RUN, "ft.max_restarts=0", "ft.inject_failure=generator:0:kill@2"])
+    state = chaos.follow(run, job, timeout_s=600)
+    res = chaos.result(run, job, state, t0)
+    assert state == "FAILED" and not res.summary and res.restarts == []
+    assert res.job_exit["requeued"] is False and res.job_exit["failed_role"] == "generator"
+    assert "retry budget exhausted after 0 restarts (ft.max_restarts=0)" in res.job_exit["detail"]
+    assert not (run / "FINISHED").exists()
