@@ -66,12 +66,12 @@ def _stop(ranks: List[Rank], grace_s: float) -> None:
 
 
 def _error_line(run_dir: Path, role: str, rank: int) -> str:
-    dead = run_dir / "errors" / "dead_rank.0.txt"  # heartbeats named a dead or frozen rank
-    if dead.exists():
-        return dead.read_text().splitlines()[0]
     path = error_report_path(run_dir, role, rank, 0)
     if path.exists():
         return path.read_text().splitlines()[0]
+    dead = run_dir / "errors" / "dead_rank.0.txt"  # heartbeats named a dead or frozen rank
+    if dead.exists():
+        return dead.read_text().splitlines()[0]
     return f"{role}:{rank}: no error recorded (killed?)"
 
 
