@@ -106,3 +106,27 @@ def test_generated_dataset_and_eval_prompts(model_dir, tmp_path):
     ev = eval_records(ds, 4, seed=1)
     assert len(ev) == 8 and ev == eval_records(ds, 4, seed=1)  # fixed: the same at the start and the end
     assert load_dataset(cfg).records == ds.records
+
+
+def test_checkpoints_of_another_recipe_are_refused_before_launch_unless_told_to_start_fresh(model_dir, tmp_path, capsys):
+    from hpc_rl.ckpt import save_checkpoint
+    from hpc_rl.models.fsdp2 import FSDP2Backend
+
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", 2, FSDP2Backend(str(model_dir)), {"step": 2}, "recipe: other\n", recipe="other")
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path))
+    assert code == 2
+    assert "checkpoint.resume" in text and "recipe 'other' (checkpoint) vs 'tiny_mopd' (this run)" in text
+    assert "checkpoint.resume=false" in text
+    # the explicit override: start fresh
+    check_inputs(load_config(_overrides(model_dir, tmp_path, "checkpoint.resume=false")))
+
+
+def test_a_save_starts_only_if_it_ends_before_the_job_does():
+    from hpc_rl.rl.program import save_fits
+
+    assert save_fits(None, 1000.0, 30.0, 5.0)  # no known end: always
+    # 100 s left, 30 s margin: 70 s for a save estimated at 1.5 x the last one
+    assert save_fits("1100", 1000.0, 30.0, 40.0)
+    assert not save_fits("1100", 1000.0, 30.0, 50.0)
+    assert not save_fits("1030", 1000.0, 30.0, None)  # before any save: a 10 s guess

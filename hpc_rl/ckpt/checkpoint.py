@@ -53,6 +53,8 @@ Fingerprint = Dict[str, List[int]]
 class IncompatibleCheckpointError(RuntimeError):
     """The newest complete checkpoint was written for another recipe or model shape."""
 
+    no_retry = True  # a requeue would meet the same checkpoint: the batch shell does not retry
+
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint directory failed verification (missing file, size or hash mismatch, bad manifest)."""
@@ -379,8 +381,8 @@ class ResumeScan:
 
 
 def _fresh_hint(root: Path) -> str:
-    return (f"to start fresh, set checkpoint.dir=<new dir> (or delete {root}); "
-            f"to resume from it, run the recipe and model it was written for")
+    return (f"to start fresh, set checkpoint.resume=false (existing checkpoints are then ignored and "
+            f"overwritten) or checkpoint.dir=<new dir>; to resume from it, run the recipe and model it was written for")
 
 
 def check_compatible(manifest: Dict[str, Any], fingerprint: Fingerprint, recipe: Optional[str], path: Path) -> None:

@@ -271,6 +271,8 @@ class CheckpointConfig:
     keep_last: int = 2
     keep_every: Optional[int] = None  # also keep every N-th step's checkpoint
     dir: Optional[str] = None  # None: <run dir>/checkpoints
+    # Resume from the newest complete checkpoint under dir; false starts fresh, ignoring them.
+    resume: bool = True
 
 
 @dataclass

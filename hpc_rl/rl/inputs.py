@@ -132,9 +132,38 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
                                          f"add {agent!r} to routing.agents.<alias>, or set routing.default and routing.strict=false"))
         except RoutingError as e:
             out.append(Violation("routing", None, str(e), "fix routing.agents / routing.default"))
+    if resolved:
+        _check_resumable(out, cfg)
     if out:
         raise ConfigError(out)
     return cfg, dataset
+
+
+def _check_resumable(out: List[Violation], cfg: RunConfig) -> None:
+    """A run directory (or checkpoint.dir) whose checkpoints belong to another recipe or
+    model shape is refused here, before submission, not by a rank after the job starts."""
+    from hpc_rl.ckpt import IncompatibleCheckpointError, find_resumable, list_checkpoints
+
+    if not cfg.checkpoint.resume or not (cfg.checkpoint.dir or cfg.run.dir):
+        return
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
+    if not list_checkpoints(root):
+        return
+    try:
+        find_resumable(root, model_shape(cfg.model.path), cfg.recipe)
+    except IncompatibleCheckpointError as e:
+        out.append(Violation("checkpoint.resume", True, str(e),
+                             "checkpoint.resume=false starts fresh (ignoring those checkpoints), or use another run.dir / checkpoint.dir"))
+
+
+def model_shape(path: str) -> Dict[str, list]:
+    """Parameter names and shapes of a checkpoint's model, without loading weights (meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
 def write_generated(cfg: RunConfig, run_dir: Path) -> Optional[Path]:

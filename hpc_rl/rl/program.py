@@ -399,13 +399,8 @@ class RLProgram:
         return {"role": self.role, "rank": self.ident.role_rank, "stopped_after": done_step}
 
     def _save_fits(self) -> bool:
-        """No save starts that cannot finish before the job ends (HPC_RL_JOB_END, epoch s)."""
-        end = os.environ.get("HPC_RL_JOB_END")
-        if not end:
-            return True
-        estimate = 1.5 * getattr(self, "_last_save_s", 10.0)
-        left = float(end) - time.time() - self.cfg.ft.save_margin_s
-        return left > estimate
+        return save_fits(os.environ.get("HPC_RL_JOB_END"), time.time(), self.cfg.ft.save_margin_s,
+                         getattr(self, "_last_save_s", None))
 
     def _weights_digest(self) -> Optional[str]:
         """sha256 of the trained weights (name, dtype, bytes in order): resumed runs compare equal bit for bit."""
@@ -553,6 +548,13 @@ class RLProgram:
         from hpc_rl.ckpt import find_resumable, load_checkpoint, model_fingerprint, restore_rng_state
 
         found = None
+        if not self.cfg.checkpoint.resume:
+            if self.is_driver:
+                MetricsLog(self.ctx.run_dir).truncate_after(0)
+                RolloutStore(self.ctx.run_dir).truncate_after(0)
+                self.log.warning("checkpoint.resume=false: starting fresh; checkpoints under %s are ignored",
+                                 self._ckpt_root())
+            return 1
         if self.is_driver:
             scan = find_resumable(self._ckpt_root(), model_fingerprint(self.backend.model), self.cfg.recipe)
             for path, why in scan.skipped:
@@ -576,6 +578,17 @@ class RLProgram:
                                     "steps_recomputed": recomputed, "time": time.time()}) + "\n")
         self.refit(step)  # the generators still hold the initial weights
         return step + 1
+
+
+def save_fits(job_end: Optional[str], now: float, margin_s: float, last_save_s: Optional[float],
+              first_guess_s: float = 10.0) -> bool:
+    """Whether a checkpoint save started `now` ends `margin_s` before the job's end (epoch
+    seconds from the batch shell; unknown: always). The estimate is 1.5x the last save, or
+    `first_guess_s` before the first: a save cut by the time limit is worse than none."""
+    if not job_end:
+        return True
+    estimate = 1.5 * (last_save_s if last_save_s is not None else first_guess_s)
+    return float(job_end) - now - margin_s > estimate
 
 
 def _task_key(r: PromptRecord) -> str:

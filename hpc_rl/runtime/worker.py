@@ -135,6 +135,10 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     try:
         result = PROGRAMS[cfg.run.program]()(ctx)
     except BaseException as exc:
+        if getattr(exc, "no_retry", False):  # the batch shell does not requeue what cannot succeed
+            fatal = run_path / "errors" / f"fatal.{ident.restart}.txt"
+            fatal.parent.mkdir(parents=True, exist_ok=True)
+            fatal.write_text(f"{ident.role}:{ident.role_rank}: {type(exc).__name__}: {exc}\n")
         if heartbeat is not None:
             # a peer's death shows here as 'connection closed': find out whom we lost
             verdict = heartbeat.report_dead_peers(store, f"{type(exc).__name__}: {str(exc)[:200]}")

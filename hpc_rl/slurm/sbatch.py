@@ -279,6 +279,8 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "    status=0",
         "elif [ -f \"$RUN_DIR/stopped.$HPC_RL_RESTART.json\" ]; then",
         "    requeue='saved on request (time limit near)'",
+        "elif [ -f \"$RUN_DIR/errors/fatal.$HPC_RL_RESTART.txt\" ]; then  # a retry would fail the same way",
+        "    detail=\"not requeued: $(head -n 1 \"$RUN_DIR/errors/fatal.$HPC_RL_RESTART.txt\"). $detail\"",
         "elif [ $status -ne 0 ]; then",
         "    requeue=\"role $failed_role failed\"",
         "else",
