@@ -35,6 +35,7 @@ bench: setup cluster-up
 	$(PY) bench/launch.py
 	$(PY) bench/logprob_agreement.py
 	$(PY) bench/rl_results.py
+	$(PY) bench/faults.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up
