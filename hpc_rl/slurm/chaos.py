@@ -19,6 +19,9 @@ from typing import Callable, List, Optional, Sequence
 from .executor import job_from_run_dir
 
 
+RELEASE_AFTER_S = 5.0
+
+
 @dataclass
 class DrillResult:
     state: str  # the job's final state as squeue/sacct/job_exit.json say
@@ -73,6 +76,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: floa
 def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = True) -> str:
     """Until the job leaves the queue for good; releases requeue holds on the way."""
     t0 = time.monotonic()
+    held_since: Optional[float] = None
     while time.monotonic() - t0 < timeout_s:
         st = squeue_state(job_id)
         if st is None:
@@ -84,8 +88,15 @@ def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = T
             time.sleep(1.0)  # between the requeue and the job being listed again
             continue
         state, reason = st
-        if release and state == "PENDING" and reason == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        if state == "PENDING" and reason == "BeginTime":
+            held_since = held_since or time.monotonic()
+            # Not at once: a job started within a second of its requeue can find the old
+            # instance's credential still being revoked on the node and die at start-up
+            # ("Job credential revoked"); Slurm's own hold exists for that cleanup.
+            if release and time.monotonic() - held_since >= RELEASE_AFTER_S:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        else:
+            held_since = None
         time.sleep(0.5)
     raise TimeoutError(f"job {job_id} still in the queue after {timeout_s:.0f}s")
 
