@@ -40,3 +40,15 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint_and_the_rerun_resumes_
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002", "step_00000004"]
     assert not any(p.name.startswith(".tmp_") for p in ckpts.iterdir())  # retention cleared the stale save
     assert (run / "FINISHED").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_while_alive_is_named_by_the_progress_watchdog(tmp_path):
+    run = tmp_path / "run"
+    # the generator's main thread blocks at step 2 while its heartbeat thread goes on beating
+    proc = _launch(*SMALL, f"run.dir={run}", "ft.inject_failure=generator:0:hang@2", "ft.progress_timeout_s=8")
+    assert proc.returncode != 0
+    verdict = (run / "errors" / "dead_rank.0.txt").read_text()
+    assert verdict.startswith("generator:0 made no progress for") and "stuck in 'step 1" in verdict
+    assert "while the others wait in ['step 2 generate']" in verdict
+    assert "generator:0 made no progress" in proc.stderr

@@ -71,6 +71,7 @@ def test_tiny_mopd_three_steps_locally(tmp_path):
     # checkpoints at step 2 and the last step, keep_last=1 leaves the newest
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000003"]
     assert (run / "FINISHED").exists()
+    assert (run / "final_hf" / "config.json").exists() and list((run / "final_hf").glob("*.safetensors"))
     for log in ("trainer", "generator", "teacher-add", "teacher-mul", "env"):
         assert "setup done" in (run / "logs" / f"{log}.0.out").read_text()
 

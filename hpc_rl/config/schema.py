@@ -273,6 +273,7 @@ class CheckpointConfig:
     dir: Optional[str] = None  # None: <run dir>/checkpoints
     # Resume from the newest complete checkpoint under dir; false starts fresh, ignoring them.
     resume: bool = True
+    export_final: bool = True  # the trained weights as a Hugging Face checkpoint in <run dir>/final_hf
 
 
 @dataclass
@@ -294,6 +295,10 @@ class FaultConfig:
     # and every other rank exits (0 turns heartbeats off).
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
+    # Stuck ranks (alive, beating, but making no progress, e.g. a hung collective): when no
+    # rank's phase changes for this long, the ranks furthest behind are named and the job
+    # aborts. 0: off. Set it above the longest phase (generation of long rollouts).
+    progress_timeout_s: float = 0.0
     max_restarts: int = 3  # requeues allowed after failures or time limits; then the job ends failed
     # No checkpoint save starts unless it can finish this many seconds before the job's end.
     save_margin_s: float = 30.0

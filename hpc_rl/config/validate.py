@@ -325,7 +325,7 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         except ValueError:
             bad = True
         if bad:
-            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank>[:raise|freeze|kill][@step] naming a role of this job",
+            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank>[:raise|freeze|kill|hang][@step|@save<step>] naming a role of this job",
                                  f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
     ft = cfg.ft
     if ft.heartbeat_timeout_s < 0 or (ft.heartbeat_timeout_s > 0 and ft.heartbeat_interval_s <= 0):
@@ -334,6 +334,8 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
     elif ft.heartbeat_timeout_s > 0 and ft.heartbeat_timeout_s < 3 * ft.heartbeat_interval_s:
         out.append(Violation("ft.heartbeat_timeout_s", ft.heartbeat_timeout_s, "must cover at least 3 heartbeat intervals",
                              f"raise it to >= {3 * ft.heartbeat_interval_s:g} or lower ft.heartbeat_interval_s"))
+    if ft.progress_timeout_s < 0:
+        out.append(Violation("ft.progress_timeout_s", ft.progress_timeout_s, "must be >= 0", "0 turns the progress watchdog off"))
     if ft.max_restarts < 0:
         out.append(Violation("ft.max_restarts", ft.max_restarts, "must be >= 0", "0 never requeues"))
 

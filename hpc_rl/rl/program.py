@@ -364,6 +364,13 @@ class RLProgram:
         if evals:
             self._evaluate("end", evals, cfg.run.max_steps, progress, metrics_log)
         digest = self._weights_digest()
+        if cfg.checkpoint.export_final and self.is_trainer:
+            from hpc_rl.ckpt import export_hf
+
+            out = export_hf(self.backend, self.ctx.run_dir / "final_hf", tokenizer_dir=cfg.model.path,
+                            group=self.ctx.groups.role, overwrite=True)
+            if self.is_driver:
+                self.log.info("trained weights exported to %s (Hugging Face safetensors)", out)
         summary = None
         if self.is_driver:
             summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe,

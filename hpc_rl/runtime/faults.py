@@ -1,8 +1,9 @@
 """Failure injection for chaos tests (`ft.inject_failure`), parsed in one place.
 
 "<role>:<rank>[:<how>][@<step>]": how is raise (an exception, the default), freeze
-(SIGSTOP the process: a hung node that only heartbeats can notice) or kill (SIGKILL:
-a crashed process). Without @step it fires at start-up, after rendezvous; with it, at the
+(SIGSTOP the process: a hung node that only heartbeats can notice), kill (SIGKILL:
+a crashed process) or hang (the main thread blocks forever while heartbeats go on: a
+stuck collective, which only the progress watchdog notices). Without @step it fires at start-up, after rendezvous; with it, at the
 start of that training step; with @save<N>, inside the checkpoint save of step N, after the
 shards are written and before the save is published. It fires on the first run only (restart 0), so a requeued
 job recovers instead of failing again.
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
-HOWS = ("raise", "freeze", "kill")
+HOWS = ("raise", "freeze", "kill", "hang")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, s
     if inj.how == "kill":
         print(f"hpc_rl: injected failure: SIGKILL on {where} (ft.inject_failure={spec})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if inj.how == "hang":  # alive and beating, but its main thread never returns (a hung collective)
+        print(f"hpc_rl: injected failure: hang on {where} (ft.inject_failure={spec})", flush=True)
+        while True:
+            time.sleep(3600)
     if inj.how == "freeze":
         print(f"hpc_rl: injected failure: SIGSTOP on {where} (ft.inject_failure={spec})", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)

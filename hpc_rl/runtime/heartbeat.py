@@ -34,10 +34,12 @@ def dead_rank_report(run_dir: Path, restart: int) -> Path:
 
 class Heartbeat:
     def __init__(self, addr: str, port: int, rank: int, world: int, restart: int, describe: Callable[[int], str],
-                 run_dir: Path, interval_s: float, timeout_s: float, log=None, exit_fn: Callable[[int], None] = os._exit):
+                 run_dir: Path, interval_s: float, timeout_s: float, log=None, exit_fn: Callable[[int], None] = os._exit,
+                 progress_timeout_s: float = 0.0):
         self.addr, self.port, self.rank, self.world, self.restart = addr, port, rank, world, restart
         self.describe, self.run_dir = describe, Path(run_dir)
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.progress_timeout_s = progress_timeout_s
         self.log = log
         self.exit_fn = exit_fn
         self.status = "start"
@@ -108,7 +110,8 @@ class Heartbeat:
         except Exception as exc:  # cannot even connect: the host is gone
             self._abort(f"trainer:0 (the rendezvous store host) unreachable: {exc}", None)
             return
-        last_seen: Dict[int, tuple] = {}  # rank -> (counter, local time it last moved, status)
+        last_seen: Dict[int, tuple] = {}  # rank -> (counter, local time it last moved)
+        progress: Dict[str, object] = {}  # the watcher's memory of everyone's phases
         abort_key = f"hb/{self.restart}/abort"
         while not self._stop.is_set():
             now = time.monotonic()
@@ -118,6 +121,12 @@ class Heartbeat:
                 if store.check([abort_key]):
                     self._abort(store.get(abort_key).decode(), None)
                     return
+                if self.rank == 0 and self.progress_timeout_s > 0:
+                    verdict = self._progress_check(store, now, progress)
+                    if verdict:
+                        self._publish(store, abort_key, verdict)
+                        self._abort(verdict, store)
+                        return
                 if self.rank == 0:
                     for r in range(self.world):
                         if r == 0:
@@ -145,6 +154,33 @@ class Heartbeat:
             store.set(self.key(f"{self.rank}/status"), self.status)
         except Exception:
             pass
+
+    def _progress_check(self, store, now: float, memo: Dict[str, object]) -> Optional[str]:
+        """Alive but stuck: no rank's phase changed for progress_timeout_s. Names the ranks in
+        the earliest phase (the others wait for them)."""
+        statuses = {}
+        for r in range(self.world):
+            k = self.key(f"{r}/status")
+            statuses[r] = self.status if r == self.rank else (store.get(k).decode() if store.check([k]) else "start")
+        if not all(v.startswith("step ") for v in statuses.values()):
+            memo.clear()  # start-up (loading models, engines) and the end are not watched: only steps
+            return None
+        snapshot = tuple(sorted(statuses.items()))
+        if memo.get("snapshot") != snapshot:
+            memo["snapshot"], memo["since"] = snapshot, now
+            return None
+        stalled = now - float(memo["since"])
+        if stalled <= self.progress_timeout_s:
+            return None
+
+        def order(status: str) -> tuple:
+            parts = status.split()
+            return (int(parts[1]) if len(parts) > 1 and parts[0] == "step" and parts[1].isdigit() else -1, status)
+        earliest = min(statuses.values(), key=order)
+        behind = [self.describe(r) for r, v in sorted(statuses.items()) if v == earliest]
+        others = sorted({v for v in statuses.values() if v != earliest})
+        return (f"{', '.join(behind)} made no progress for {stalled:.1f}s (ft.progress_timeout_s={self.progress_timeout_s:g}), "
+                f"stuck in {earliest!r}" + (f" while the others wait in {others}" if others else ""))
 
     def _publish(self, store, abort_key: str, verdict: str) -> None:
         report = dead_rank_report(self.run_dir, self.restart)

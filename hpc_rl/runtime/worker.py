@@ -88,7 +88,8 @@ def start_heartbeat(cfg: RunConfig, plan: JobPlan, ident: RankIdentity, run_dir:
     if cfg.ft.heartbeat_timeout_s <= 0:
         return None
     return Heartbeat(addr, port, ident.global_rank, ident.world_size, ident.restart, lambda r: describe_rank(plan, r),
-                     run_dir, cfg.ft.heartbeat_interval_s, cfg.ft.heartbeat_timeout_s, log).start()
+                     run_dir, cfg.ft.heartbeat_interval_s, cfg.ft.heartbeat_timeout_s, log,
+                     progress_timeout_s=cfg.ft.progress_timeout_s).start()
 
 
 def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
