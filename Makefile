@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny
-# student by two tiny teachers, every role a real local process (about 6 minutes here).
+# student by two tiny teachers, every role a real local process (about 7 minutes here,
+# plus about 2 minutes the first time to train the tiny models).
 demo: setup
 	$(PY) -m hpc_rl.launch +recipe=tiny_mopd
 
