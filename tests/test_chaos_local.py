@@ -52,3 +52,35 @@ def test_a_rank_stuck_while_alive_is_named_by_the_progress_watchdog(tmp_path):
     assert verdict.startswith("generator:0 made no progress for") and "stuck in 'step 1" in verdict
     assert "while the others wait in ['step 2 generate']" in verdict
     assert "generator:0 made no progress" in proc.stderr
+
+
+def _live_processes_of(run_dir) -> list:
+    """Live processes whose environment names this run directory (vLLM's children inherit it)."""
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if b"HPC_RL_RUN_DIR=" + str(run_dir).encode() + b"\0" not in (d / "environ").read_bytes():
+                continue
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_generator_is_named_and_leaves_no_engine_processes_behind(tmp_path):
+    import time
+
+    run = tmp_path / "run"
+    proc = _launch(*SMALL, f"run.dir={run}", "ft.inject_failure=generator:0:kill@2")
+    assert proc.returncode != 0
+    assert "run failed in generator:0" in proc.stderr  # the killed rank, not a peer that lost it
+    time.sleep(1.0)
+    # vLLM's engine processes outlive a SIGKILLed parent; the rank supervisor kills them
+    assert _live_processes_of(run) == []

@@ -83,7 +83,8 @@ def culprit(bad: List[Rank]) -> Rank:
 
     def score(r: Rank) -> int:
         rc = r.proc.returncode
-        return 3 if rc < 0 else 1 if rc == ABORT_EXIT_CODE else 2
+        killed = rc < 0 or rc >= 128  # a signal (the rank supervisor reports 128 + signal)
+        return 3 if killed else 1 if rc == ABORT_EXIT_CODE else 2
     return max(bad, key=score)  # max keeps the first of equals: rank order
 
 

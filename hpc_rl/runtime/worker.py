@@ -16,7 +16,7 @@ import sys
 import time
 
 if __name__ == "__main__":  # when this rank's interpreter started, before heavy imports (launch benchmark)
-    os.environ["HPC_RL_T_START"] = repr(time.time())
+    os.environ.setdefault("HPC_RL_T_START", repr(time.time()))  # the supervisor's start, if any
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -173,4 +173,7 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpc_rl.runtime.supervise import is_child, supervise
+
+    # the rank itself runs in a child; this process cleans up after it (supervise.py)
+    sys.exit(main() if is_child() else supervise("hpc_rl.runtime.worker", sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""Each rank runs under a small supervisor that cleans up after it, however it ends.
+
+vLLM's engine processes (EngineCore, workers) outlive a generator rank killed with
+SIGKILL: they are reparented to init, keep gigabytes of memory, and Slurm's linuxproc
+process tracking loses them, so the requeued job's engine can no longer start on that node
+("Available memory ... is less than desired"). The supervisor starts the rank as its child
+in the same process group, forwards signals to it, and when it exits kills whatever is
+left in the group: the child's orphans included. It returns the child's exit status
+(128 + signal for a killed child, as a shell reports it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+MARK = "HPC_RL_SUPERVISED"
+
+
+def is_child() -> bool:
+    return os.environ.get(MARK) == "1"
+
+
+def group_members(pgid: int) -> List[int]:
+    """PIDs in process group `pgid` other than this process (Linux /proc)."""
+    me, out = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            out.append(int(d.name))
+    return out
+
+
+def supervise(module: str, args: List[str]) -> int:
+    env = dict(os.environ, **{MARK: "1"})
+    child = subprocess.Popen([sys.executable, "-m", module, *args], env=env)
+
+    def forward(signum, _frame):
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    rc: Optional[int] = None
+    while rc is None:
+        try:
+            rc = child.wait()
+        except InterruptedError:
+            continue
+    leftovers = group_members(os.getpgid(0))
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if leftovers:
+        print(f"hpc_rl: supervisor killed {len(leftovers)} leftover process(es) of the rank (pids {leftovers[:8]})",
+              file=sys.stderr, flush=True)
+    return rc if rc >= 0 else 128 - rc
