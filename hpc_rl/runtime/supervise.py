@@ -41,6 +41,10 @@ def group_members(pgid: int) -> List[int]:
 
 
 def supervise(module: str, args: List[str]) -> int:
+    # Clean up only a group of our own: lead one (srun tasks and local-launcher ranks already
+    # do; a rank started from a shell or a test would otherwise share, and kill, its caller's).
+    if os.getpgid(0) != os.getpid():
+        os.setpgid(0, 0)
     env = dict(os.environ, **{MARK: "1"})
     child = subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
