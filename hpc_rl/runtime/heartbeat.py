@@ -80,7 +80,7 @@ class Heartbeat:
         if not dead:
             return None
         verdict = "; ".join(f"{self.describe(r)} stopped beating (killed or hung; last seen in {st})" for r, st in dead)
-        verdict += f" -- {self.describe(self.rank)} then failed: {error}"
+        verdict += f"; {self.describe(self.rank)} then failed ({error.split(':', 1)[0]})"
         report = dead_rank_report(self.run_dir, self.restart)
         if not report.exists():
             report.parent.mkdir(parents=True, exist_ok=True)
