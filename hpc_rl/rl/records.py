@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
+from hpc_rl.run_dir import write_atomic
+
 METRICS = "metrics.jsonl"
 ROLLOUTS = "rollouts.h5"
 PROGRESS = "progress.json"
@@ -28,9 +30,7 @@ SUMMARY = "summary.json"
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _clean(v: Any) -> Any:
@@ -66,9 +66,7 @@ class MetricsLog:
         keep = [r for r in rows if r.get("step", 0) <= step and not (r.get("kind") == "eval" and r.get("tag") == "end")]
         dropped_steps = sum(1 for r in rows if r.get("kind") == "step" and r.get("step", 0) > step)
         if len(keep) != len(rows):
-            tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
         return dropped_steps
 
 
