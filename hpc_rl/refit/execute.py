@@ -1,0 +1,249 @@
+"""Walk a refit plan on one process: send the slices it owns, receive the slices it keeps.
+
+Every process of the refit group runs the same walk over the same plan and acts only on
+the transfers that touch it, so no message says what comes next. Per bucket and per peer
+the small slices travel packed in one message (one copy each side; message overheads,
+not bytes, dominate small tensors), and slices of at least `direct_min` bytes travel on
+their own straight from and into the tensors when those are contiguous. A process may
+play several layout ranks (a trainer shard and a vLLM shard on one GPU): transfers
+between its own ranks are copies.
+
+The walk is pipelined: the next bucket's messages are posted before this bucket is
+waited on, and `stream()` hands each destination piece to the caller as soon as its last
+byte is in, so a receiver can load weights while later buckets are still arriving.
+Stage-1 transfers (forwards inside a destination domain) are posted once the stage-0
+bytes they forward have landed. Every wait is bounded by the refit's deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .layout import Layout
+from .planner import Plan, Transfer
+from .transport import RefitError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIGN = 16  # packed segments start on 16-byte boundaries so each can be viewed as its dtype
+Start = Tuple[int, ...]
+
+
+def box_view(tensor: torch.Tensor, start: Start, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+    """The part [lo, hi) of the global tensor, from a local tensor that holds the box at `start`."""
+    return tensor[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))]
+
+
+@dataclass
+class Holdings:
+    """The tensors one process holds, by layout rank and HF name, with the global start of
+    the box each one covers. Sources are read; destinations are written."""
+
+    src: Dict[int, Dict[str, Tuple[Start, torch.Tensor]]] = field(default_factory=dict)
+    dst: Dict[int, Dict[str, List[Tuple[Start, torch.Tensor]]]] = field(default_factory=dict)
+
+    @staticmethod
+    def allocate(layout: Layout, ranks: Sequence[int], device: str = "cpu") -> Dict[int, Dict[str, List[Tuple[Start, torch.Tensor]]]]:
+        """Empty destination tensors for the boxes `ranks` keep in `layout`."""
+        out: Dict[int, Dict[str, List[Tuple[Start, torch.Tensor]]]] = {}
+        for t in layout.tensors.values():
+            for p in t.pieces:
+                if p.rank in ranks:
+                    shape = tuple(b - a for a, b in zip(p.start, p.stop))
+                    out.setdefault(p.rank, {}).setdefault(t.name, []).append(
+                        (p.start, torch.empty(shape, dtype=DTYPES[t.dtype], device=device)))
+        return out
+
+
+@dataclass
+class _Seg:
+    transfer: Transfer
+    view: torch.Tensor  # the slice in this process's tensor (source view or destination view)
+    piece: Optional[tuple] = None  # destination piece key it fills (receiving side)
+    offset: int = 0  # byte offset inside a packed message
+
+
+@dataclass
+class _Msg:
+    peer: int
+    stage: int
+    outgoing: bool
+    segs: List[_Seg]
+    packed: bool
+    nbytes: int
+    buf: Optional[torch.Tensor] = None  # the packed or staging buffer, reused across refits
+
+
+@dataclass
+class _Bucket:
+    local: List[Tuple[int, _Seg, torch.Tensor]] = field(default_factory=list)  # (stage, dst seg, src view)
+    msgs: List[_Msg] = field(default_factory=list)
+
+
+@dataclass
+class RefitStats:
+    seconds: float = 0.0
+    wait_s: float = 0.0  # blocked on the transport
+    consumer_s: float = 0.0  # inside the caller's hands between yields (e.g. vLLM loading)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    local_copies: int = 0
+
+
+class RefitWalk:
+    """One process's part of a plan, prepared once and run at every refit."""
+
+    def __init__(self, plan: Plan, holdings: Holdings, proc_of: Mapping[int, int], me: int, transport,
+                 direct_min: int = 1 << 20):
+        self.plan, self.holdings, self.me, self.transport = plan, holdings, me, transport
+        self.proc_of = dict(proc_of)
+        self.direct_min = direct_min
+        self.pieces: Dict[tuple, int] = {}  # (dst rank, name, index) -> bytes it needs from the walk
+        self.buckets: List[_Bucket] = [self._prepare(b) for b in plan.buckets]
+        self.stats = RefitStats()
+
+    # --------------------------------------------------------------------------- preparation
+    def _src_view(self, t: Transfer) -> torch.Tensor:
+        if t.stage == 0:
+            start, tensor = self.holdings.src[t.src][t.name]
+            return box_view(tensor, start, t.start, t.stop)
+        return self._dst_view(t.src, t)[1]  # a forward reads what its landing rank received
+
+    def _dst_view(self, rank: int, t: Transfer) -> Tuple[tuple, torch.Tensor]:
+        for i, (start, tensor) in enumerate(self.holdings.dst[rank][t.name]):
+            stop = tuple(s + n for s, n in zip(start, tensor.shape))
+            if all(s <= a and b <= e for s, a, b, e in zip(start, t.start, t.stop, stop)):
+                return (rank, t.name, i), box_view(tensor, start, t.start, t.stop)
+        raise RefitError(f"{t.name}: rank {rank} keeps no box containing {t.start}..{t.stop}; the plan and "
+                         f"the destination tensors disagree")
+
+    def _prepare(self, transfers: List[Transfer]) -> _Bucket:
+        bucket = _Bucket()
+        groups: Dict[Tuple[int, int, bool], List[_Seg]] = defaultdict(list)
+        for t in transfers:
+            a, b = self.proc_of[t.src], self.proc_of[t.dst]
+            if b == self.me:
+                key, view = self._dst_view(t.dst, t)
+                self.pieces[key] = self.pieces.get(key, 0) + t.nbytes
+            if a == self.me and b == self.me:
+                bucket.local.append((t.stage, _Seg(t, view, key), self._src_view(t)))
+            elif a == self.me:
+                groups[(b, t.stage, True)].append(_Seg(t, self._src_view(t)))
+            elif b == self.me:
+                groups[(a, t.stage, False)].append(_Seg(t, view, key))
+        for (peer, stage, outgoing), segs in groups.items():  # insertion order = plan order on both sides
+            small = [s for s in segs if s.transfer.nbytes < self.direct_min]
+            if small:
+                off = 0
+                for s in small:
+                    s.offset = off
+                    off += -(-s.transfer.nbytes // ALIGN) * ALIGN
+                bucket.msgs.append(_Msg(peer, stage, outgoing, small, True, off,
+                                        torch.empty(off, dtype=torch.uint8, device=small[0].view.device)))
+            for s in segs:
+                if s.transfer.nbytes >= self.direct_min:
+                    staging = None if s.view.is_contiguous() else torch.empty_like(s.view, memory_format=torch.contiguous_format)
+                    bucket.msgs.append(_Msg(peer, stage, outgoing, [s], False, s.transfer.nbytes, staging))
+        return bucket
+
+    # ----------------------------------------------------------------------------------- run
+    def _post(self, bucket: _Bucket, stage: int) -> List[Tuple[_Msg, object]]:
+        for st, seg, src in bucket.local:
+            if st == stage:
+                seg.view.copy_(src)
+                self.stats.local_copies += 1
+        posted = []
+        for m in bucket.msgs:
+            if m.stage != stage:
+                continue
+            if m.outgoing:
+                if m.packed:
+                    for s in m.segs:
+                        _segment(m.buf, s).copy_(s.view)
+                    buf = m.buf
+                elif m.buf is not None:
+                    buf = m.buf.copy_(m.segs[0].view)
+                else:
+                    buf = m.segs[0].view
+                posted.append((m, self.transport.send(_as_bytes(buf), m.peer, stage)))
+                self.stats.bytes_sent += m.nbytes
+            else:
+                buf = m.buf if m.buf is not None else m.segs[0].view
+                posted.append((m, self.transport.recv(_as_bytes(buf), m.peer, stage)))
+                self.stats.bytes_received += m.nbytes
+            self.stats.messages += 1
+        return posted
+
+    def _finish(self, posted: List[Tuple[_Msg, object]], deadline: float, left: Dict[tuple, int],
+                done: List[tuple]) -> None:
+        t0 = time.perf_counter()
+        for m, handle in posted:
+            what = f"{'sending' if m.outgoing else 'receiving'} {m.segs[0].transfer.name} (stage {m.stage}) {'to' if m.outgoing else 'from'}"
+            self.transport.wait(handle, m.peer, deadline, what)
+        self.stats.wait_s += time.perf_counter() - t0
+        for m, _ in posted:
+            if m.outgoing:
+                continue
+            for s in m.segs:
+                if m.packed:
+                    s.view.copy_(_segment(m.buf, s))
+                elif m.buf is not None:
+                    s.view.copy_(m.buf)
+                _count(left, s, done)
+
+    def stream(self, deadline: float) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
+        """Run the walk; yields (dst rank, name, box start, tensor) for each destination piece
+        of this process as soon as it is whole. Raises RefitError on a dead or late peer."""
+        t_start = time.perf_counter()
+        self.stats = RefitStats()
+        left = dict(self.pieces)
+        pending = self._post(self.buckets[0], 0) if self.buckets else []
+        for k, bucket in enumerate(self.buckets):
+            done: List[tuple] = []
+            for st, seg, _ in bucket.local:  # this bucket's local stage-0 copies were made when it was posted
+                if st == 0:
+                    _count(left, seg, done)
+            nxt = self._post(self.buckets[k + 1], 0) if k + 1 < len(self.buckets) else []
+            self._finish(pending, deadline, left, done)
+            forwards = self._post(bucket, 1)
+            for st, seg, _ in bucket.local:
+                if st == 1:
+                    _count(left, seg, done)
+            self._finish(forwards, deadline, left, done)
+            pending = nxt
+            for key in done:
+                rank, name, i = key
+                start, tensor = self.holdings.dst[rank][name][i]
+                t0 = time.perf_counter()
+                yield rank, name, start, tensor
+                self.stats.consumer_s += time.perf_counter() - t0
+        missing = [k for k, v in left.items() if v]
+        if missing:
+            raise RefitError(f"refit plan left {len(missing)} destination pieces incomplete, e.g. {missing[0]}")
+        self.stats.seconds = time.perf_counter() - t_start
+
+    def run(self, deadline: float) -> RefitStats:
+        """Walk without consuming (senders; receivers that only need the bytes in place)."""
+        for _ in self.stream(deadline):
+            pass
+        return self.stats
+
+
+def _count(left: Dict[tuple, int], seg: _Seg, done: List[tuple]) -> None:
+    left[seg.piece] -= seg.transfer.nbytes
+    if left[seg.piece] == 0:
+        done.append(seg.piece)
+
+
+def _segment(buf: torch.Tensor, s: _Seg) -> torch.Tensor:
+    n = s.transfer.nbytes
+    return buf[s.offset:s.offset + n].view(s.view.dtype).view(s.view.shape)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t
