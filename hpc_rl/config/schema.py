@@ -305,6 +305,17 @@ class FaultConfig:
 
 
 @dataclass
+class RefitConfig:
+    """Trainer -> generator weight transfer (the reshard plan, hpc_rl/refit)."""
+
+    # A refit that has not finished by then aborts on every side and names the peer that
+    # did not arrive: the job fails (and requeues) instead of hanging.
+    timeout_s: float = 120.0
+    bucket_mb: int = 64  # bytes in flight per bucket of the plan (two buckets overlap)
+    transport: Literal["torch", "nixl"] = "torch"  # torch: NCCL on GPUs, gloo on CPUs
+
+
+@dataclass
 class RunConfig:
     recipe: Optional[str] = None  # set from the +recipe= choice
     run: RunSection = field(default_factory=RunSection)
@@ -321,3 +332,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     container: ContainerConfig = field(default_factory=ContainerConfig)
     ft: FaultConfig = field(default_factory=FaultConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)

@@ -338,6 +338,11 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("ft.progress_timeout_s", ft.progress_timeout_s, "must be >= 0", "0 turns the progress watchdog off"))
     if ft.max_restarts < 0:
         out.append(Violation("ft.max_restarts", ft.max_restarts, "must be >= 0", "0 never requeues"))
+    if cfg.refit.timeout_s <= 0:
+        out.append(Violation("refit.timeout_s", cfg.refit.timeout_s, "must be > 0 (a refit without a deadline can hang the job)",
+                             "e.g. refit.timeout_s=120"))
+    if cfg.refit.bucket_mb < 1:
+        out.append(Violation("refit.bucket_mb", cfg.refit.bucket_mb, "must be >= 1", "e.g. refit.bucket_mb=64"))
 
 
 RULES: List[Callable[[List[Violation], RunConfig], None]] = [

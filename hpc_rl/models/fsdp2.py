@@ -79,6 +79,7 @@ class FSDP2Backend:
         # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
         self.sharded = group is not None and dist.get_world_size(group) > 1
+        self.group = group
         if self.sharded:
             mesh = DeviceMesh.from_group(group, device_type=self.device.type)
             mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
@@ -137,3 +138,25 @@ class FSDP2Backend:
             return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                          broadcast_from_rank0=False))
+
+    def local_shards(self, dtype: Optional[torch.dtype] = None) -> Dict[str, Tuple[Tuple[int, ...], torch.Tensor]]:
+        """This rank's part of every weight, by HF name: (global start of its box, tensor).
+        FSDP2 keeps Shard(0) chunks (torch.chunk's split); an unsharded model holds whole
+        tensors. With `dtype` the shards are cast copies (refit to a bf16 engine); without,
+        they are the live parameters themselves (no copy)."""
+        from hpc_rl.refit.layout import chunk_bounds
+
+        out = {}
+        rank = dist.get_rank(self.group) if self.sharded else 0
+        world = dist.get_world_size(self.group) if self.sharded else 1
+        for name, value in self.model.state_dict().items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            a, b = chunk_bounds(value.shape[0], world)[rank]
+            if local.shape[0] != b - a:
+                raise RuntimeError(f"{name}: FSDP2 shard of {tuple(local.shape)} on rank {rank}, expected rows {a}..{b} "
+                                   f"of {tuple(value.shape)}")
+            local = local.detach()
+            if dtype is not None and local.dtype != dtype:
+                local = local.to(dtype)
+            out[name] = (tuple([a] + [0] * (local.dim() - 1)), local)
+        return out

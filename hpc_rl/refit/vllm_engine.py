@@ -1,21 +1,15 @@
-"""The generator's vLLM engine: batched sampling with the sampled tokens' logprobs, and a
-weight-update entry fed by the trainer over a gloo group (a full-state transfer; the
-reshard planner replaces it with slice transfers).
-
-The trainer side (`RefitSender`) hosts nothing new: it joins the same TCPStore and sends
-each tensor of its full state dict, in a fixed order, to the engine's workers.
+"""The generator's vLLM engine: batched sampling with the sampled tokens' logprobs, and
+the refit entry points: its worker joins the refit group and receives the trainer's
+shards slice by slice (refit/session.py, refit/vllm_extension.py).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 EXTENSION = "hpc_rl.refit.vllm_extension.RefitWorkerExtension"
 
@@ -61,10 +55,6 @@ def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:
         glp[i, p:n] = torch.tensor(r.logprobs, dtype=torch.float32)
     return Rollouts(ids, attn, resp, glp, [len(r.prompt_ids) for r in rows], [len(r.response_ids) for r in rows],
                     [r.truncated for r in rows], [r.text for r in rows])
-
-
-def tensor_meta(state: Dict[str, torch.Tensor]) -> List[Tuple[str, List[int], str]]:
-    return [(k, list(v.shape), str(v.dtype).split(".")[1]) for k, v in state.items()]
 
 
 class VLLMGenerator:
@@ -115,52 +105,40 @@ class VLLMGenerator:
         rows = self.sample(prompts, temperature, top_p, top_k, max_tokens, stop, seed)
         return pad_rows(rows, self.tokenizer.pad_token_id or 0)
 
-    def join_refit(self, host: str, port: int, first_rank: int, world: int, prefix: str, timeout_s: float) -> None:
-        """Have the engine's worker join the refit group as rank `first_rank` (one worker here)."""
-        self.llm.collective_rpc("hpc_rl_join", args=(host, port, first_rank, world, prefix, timeout_s))
+    def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """The engine's parameters (name -> local shape, dtype) from its first worker."""
+        return self.llm.collective_rpc("hpc_rl_params")[0]
 
-    def receive(self, meta, src: int, version: int) -> int:
-        self.llm.collective_rpc("hpc_rl_receive", args=(meta, src, version))
-        self.weight_version = version
-        return version
+    @property
+    def dtype_name(self) -> str:
+        return str(self.llm.llm_engine.model_config.dtype).split(".")[1]
+
+    def join_refit(self, setup, first_rank: int, host: str, port: int) -> Dict[str, float]:
+        """The engine's worker joins the refit group as rank `first_rank` (TP 1: one worker)
+        and prepares its part of the plan."""
+        return self.llm.collective_rpc("hpc_rl_join", args=(setup.to_wire(), first_rank, host, port))[0]
+
+    def refit(self, version: int, timeout_s: float) -> Dict[str, float]:
+        """Receive and load the weights of trainer step `version`; raises RefitError (through
+        vLLM's RPC) when a peer dies or the deadline passes."""
+        out = self.llm.collective_rpc("hpc_rl_refit", args=(version, timeout_s))[0]
+        self.weight_version = out["version"]  # stamped by the worker after the end-of-refit barrier
+        return out
+
+    def worker_version(self) -> int:
+        return self.llm.collective_rpc("hpc_rl_version")[0]
 
 
-class RefitSender:
-    """The trainer's end of a full-state refit (rank 0 of the refit group)."""
+def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
+                domain_of=None, bucket_bytes: int = 64 << 20):
+    """The refit group of `n_trainers` FSDP2 ranks (refit ranks 0..n-1, Shard(0) each) and
+    `n_engines` TP-1 vLLM engines (refit ranks n.., each keeping every tensor whole)."""
+    from .layout import fsdp2, merge
+    from .session import RefitSetup
+    from .vllm_layout import vllm_tp_layout
 
-    def __init__(self, store: dist.Store, world: int, prefix: str, timeout_s: float):
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, world, timedelta(seconds=timeout_s))
-
-    def send(self, state: Dict[str, torch.Tensor]) -> float:
-        """Broadcast every tensor of `state` in order; returns the seconds it took."""
-        t0 = time.perf_counter()
-        for tensor in state.values():
-            self.pg.broadcast(tensor.contiguous(), 0).wait()
-        return time.perf_counter() - t0
-
-
-def refit_in_process(generator: VLLMGenerator, sender_store: dist.TCPStore, port: int,
-                     state: Dict[str, torch.Tensor], version: int, prefix: str, timeout_s: float = 120.0) -> Dict[str, float]:
-    """Trainer and generator in one process (tests, benchmarks): join, then send while the
-    engine receives. Returns timings."""
-    t0 = time.perf_counter()
-    joiner = threading.Thread(target=generator.join_refit, args=("127.0.0.1", port, 1, 2, prefix, timeout_s))
-    joiner.start()
-    sender = RefitSender(sender_store, 2, prefix, timeout_s)
-    joiner.join()
-    t1 = time.perf_counter()
-    errors: List[BaseException] = []
-
-    def receive():
-        try:
-            generator.receive(tensor_meta(state), 0, version)
-        except BaseException as exc:  # surfaced below, after the sender is done
-            errors.append(exc)
-
-    receiver = threading.Thread(target=receive)
-    receiver.start()
-    send_s = sender.send(state)
-    receiver.join()
-    if errors:
-        raise errors[0]
-    return {"join_s": t1 - t0, "send_s": send_s, "refit_s": time.perf_counter() - t1}
+    src = fsdp2(specs, list(range(n_trainers)))
+    dst = merge(*[vllm_tp_layout(specs, [n_trainers + g]) for g in range(n_engines)])
+    names = {**{i: f"trainer:{i}" for i in range(n_trainers)}, **{n_trainers + g: f"generator:{g}" for g in range(n_engines)}}
+    return RefitSetup(src=src.to_dict(), dst=dst.to_dict(), proc_of={r: r for r in names}, names=names, prefix=prefix,
+                      domain_of=domain_of, bucket_bytes=bucket_bytes, timeout_s=timeout_s)

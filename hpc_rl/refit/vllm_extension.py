@@ -1,53 +1,81 @@
-"""A vLLM worker extension that receives weights from the trainer into the live engine.
+"""A vLLM worker extension that receives refit slices into the live engine.
 
 vLLM instantiates it inside each of its workers (`LLM(worker_extension_cls=...)`) and
-the generator calls its methods through `llm.collective_rpc`. The worker joins a gloo
-group of its own (trainer rank 0 + the engine's workers) over a TCPStore: vLLM's workers
+the generator calls its methods through `llm.collective_rpc`. The worker joins the refit
+group over the job's TCPStore with a gloo (or NCCL) backend of its own: vLLM's workers
 already own the default process group, so a second init_process_group is not an option.
-Received tensors load between vLLM's layerwise-reload hooks: on CPU a plain
-`model.load_weights` after the first load corrupts the processed kernel tensors.
+From the group's `RefitSetup` it rebuilds the plan and prepares its walk once; at every
+refit it streams the slices in and hands each finished tensor to vLLM while the next ones
+are still arriving. On CPU the tensors load between vLLM's layerwise-reload hooks (a
+plain `model.load_weights` after the first load corrupts the processed kernel tensors).
+The weight version (the trainer step) is stamped only once every rank has passed the
+end-of-refit barrier.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import List, Sequence, Tuple
-
-import torch
-import torch.distributed as dist
-
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+import time
+from typing import Dict, Tuple
 
 
 class RefitWorkerExtension:
     """Methods become callable as llm.collective_rpc("hpc_rl_<name>", args=...)."""
 
-    def hpc_rl_join(self, host: str, port: int, rank: int, world: int, prefix: str, timeout_s: float) -> int:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        self._hpc_rl_pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world,
-                                                timedelta(seconds=timeout_s))
-        self._hpc_rl_version = -1
-        return rank
+    def hpc_rl_params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """The model's parameters as its weight loaders see them: name -> (local shape,
+        dtype name). After loading, CPU kernels repack some parameters (empty shapes
+        remain); vLLM records the loader-format shapes for reloading, and those count."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    def hpc_rl_receive(self, meta: Sequence[Tuple[str, Sequence[int], str]], src: int, version: int) -> int:
-        """Receive every tensor of `meta` (name, shape, dtype) broadcast from `src`, in order,
-        and load them into the running model; returns the new weight version."""
+        model = self.model_runner.get_model()
+        out = {n: (tuple(p.shape), str(p.dtype).split(".")[1]) for n, p in model.named_parameters()}
+        for mod_name, module in model.named_modules():
+            info = LAYERWISE_INFO.get(module)
+            for p_name, meta in (info.restore_metadata[0].items() if info is not None else ()):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                out[full] = (tuple(meta.shape), str(meta.dtype).split(".")[1])
+        return out
+
+    def hpc_rl_join(self, setup, rank: int, host: str, port: int) -> Dict[str, float]:
+        import torch
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        from hpc_rl.refit.session import RefitEndpoint, RefitSetup
+        from hpc_rl.refit.transport import TorchP2P
+
+        t0 = time.perf_counter()
+        setup = RefitSetup.from_wire(setup)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=setup.timeout_s))
+        on_gpu = next(self.model_runner.get_model().parameters()).is_cuda
+        make = TorchP2P.nccl if on_gpu else TorchP2P.gloo
+        transport = make(store, setup.prefix, rank, setup.world, setup.names, setup.timeout_s)
+        self._hpc_rl_refit = RefitEndpoint(setup, rank, transport, device="cuda" if on_gpu else "cpu")
+        self._hpc_rl_version = -1
+        return {"join_s": time.perf_counter() - t0, "prepare_s": self._hpc_rl_refit.prepare_s}
+
+    def hpc_rl_refit(self, version: int, timeout_s: float) -> Dict[str, float]:
+        """Receive this refit's slices and load them; returns timings and the new version."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
 
+        endpoint = self._hpc_rl_refit
         model = self.model_runner.get_model()
-        received: List[Tuple[str, torch.Tensor]] = []
-        for name, shape, dtype in meta:
-            t = torch.empty(tuple(shape), dtype=DTYPE_NAMES[dtype])
-            self._hpc_rl_pg.broadcast(t, src).wait()
-            received.append((name, t))
+        t0 = time.perf_counter()
+        # TP 1: every piece is a whole HF tensor, which vLLM's loaders take by its HF name
+        tensors = ((name, tensor) for _rank, name, _start, tensor in endpoint.stream(timeout_s))
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            model.load_weights(iter(received))
+            model.load_weights(tensors)
+            t_loaded = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+        stats = endpoint.finish()
         self._hpc_rl_version = version
-        return version
+        return {"version": version, "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s,
+                "stream_s": stats.seconds, "load_in_stream_s": stats.consumer_s,
+                "finalize_s": time.perf_counter() - t_loaded, "bytes": stats.bytes_received,
+                "messages": stats.messages}
 
     def hpc_rl_version(self) -> int:
         return getattr(self, "_hpc_rl_version", -1)

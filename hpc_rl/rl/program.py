@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -68,6 +68,7 @@ class Batch:
     teacher_logprobs: Optional[torch.Tensor] = None
     aliases: Optional[List[str]] = None  # the routed teacher alias per sample
     student_logprobs: Optional[torch.Tensor] = None
+    weight_versions: List[int] = field(default_factory=list)  # the engines' weight versions (trainer steps)
 
 
 class RLProgram:
@@ -97,7 +98,7 @@ class RLProgram:
         self.my_teacher = self.role.split("/", 1)[1] if self.role.startswith("teacher/") else None
         self.backend = None  # trainer: the trained student; teacher: inference-only
         self.engine = None
-        self.sender = None
+        self.refit_ep = None
         self.pad_id = 0
         self.timing: Dict[str, float] = {}  # this step's phases
         self.setup_timing: Dict[str, float] = {}
@@ -150,16 +151,50 @@ class RLProgram:
         return tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def _join_refit(self) -> None:
-        """Trainer rank 0 and each generator engine's worker form the refit group."""
-        from hpc_rl.refit.vllm_engine import RefitSender
+        """The refit group: every trainer rank (its FSDP2 shards) and each generator engine's
+        worker. Trainer rank 0 describes both sides' layouts; every member rebuilds the same
+        plan from that description. The engine checks the names and shapes against its live
+        model first, so a mismatch stops the run here, before any step."""
+        from hpc_rl.refit.vllm_engine import refit_setup
+        from hpc_rl.refit.vllm_layout import check_against_model, specs_of
 
-        prefix = f"refit/{self.ident.restart}"
-        world = 1 + len(self.gen_ranks)
-        timeout = float(self.cfg.run.rendezvous_timeout_s)
+        cfg = self.cfg
+        engine_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.generator.precision]
+        setup = None
         if self.is_driver:
-            self.sender = RefitSender(self.ctx.store, world, prefix, timeout)
+            specs = specs_of(self.backend.model.state_dict(), engine_dtype)
+            setup = refit_setup(specs, len(self.trainer_ranks), len(self.gen_ranks), f"refit/{self.ident.restart}",
+                                timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20)
+        setup = share(setup, src=0, group=self.ctx.groups.world)
+        self.refit_dtype = getattr(torch, engine_dtype)
+        if self.is_trainer:
+            from hpc_rl.refit.session import RefitEndpoint
+            from hpc_rl.refit.transport import TorchP2P
+
+            make = TorchP2P.nccl if self.ctx.device.startswith("cuda") else TorchP2P.gloo
+            transport = make(self.ctx.store, setup.prefix, self.ident.role_rank, setup.world, setup.names, setup.timeout_s)
+            self.refit_ep = RefitEndpoint(setup, self.ident.role_rank, transport, sources=self._refit_sources())
         elif self.engine is not None:
-            self.engine.join_refit(self.ctx.store_addr, self.ctx.store_port, 1 + self.ident.role_rank, world, prefix, timeout)
+            from hpc_rl.refit.layout import Layout
+
+            check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
+                                self.engine.params())
+            self.engine.join_refit(setup, len(self.trainer_ranks) + self.ident.role_rank, self.ctx.store_addr,
+                                   self.ctx.store_port)
+
+    def _refit_sources(self):
+        """This trainer rank's shards in the engine's dtype, under its refit rank: the live
+        parameters when the dtypes agree, else cast copies kept between refits (so the
+        prepared walk stays valid)."""
+        live = self.backend.local_shards()
+        if all(t.dtype == self.refit_dtype for _, t in live.values()):
+            return {self.ident.role_rank: live}
+        if getattr(self, "_refit_cast", None) is None:
+            self._refit_cast = {n: (start, t.to(self.refit_dtype)) for n, (start, t) in live.items()}
+        else:
+            for n, (_, t) in live.items():
+                self._refit_cast[n][1].copy_(t)
+        return {self.ident.role_rank: self._refit_cast}
 
     # ------------------------------------------------------------------------------ collection
     def collect(self, records: Optional[List[PromptRecord]], sampling: Dict[str, Any], stream: int, step: int,
@@ -177,8 +212,11 @@ class RLProgram:
             mine = strided(n, self.ident.role_rank, len(self.gen_ranks))
             prompts = self._chat_messages([records[i] for i in mine])
             piece = self.engine.sample(prompts, seed=[_seed(self.cfg.run.seed, stream, step, i) for i in mine], **sampling)
-        pieces = [share(piece if self.ident.global_rank == src else None, src=src, group=world) for src in self.gen_ranks]
-        rows: List[SampleRow] = interleave(pieces, n)
+        # each engine's share travels with the weight version it sampled with
+        mine_out = (self.engine.weight_version, piece) if self.engine is not None else None
+        shared = [share(mine_out if self.ident.global_rank == src else None, src=src, group=world) for src in self.gen_ranks]
+        versions = sorted({v for v, _ in shared})
+        rows: List[SampleRow] = interleave([p for _, p in shared], n)
         t_gen = time.perf_counter()
 
         # 3. score: every scoring rank computes first, then the results are shared in a fixed order
@@ -200,7 +238,8 @@ class RLProgram:
         t_score = time.perf_counter()
         if not self.is_trainer:
             return None
-        batch = Batch(records, rows, pad_rows(rows, self.pad_id), rewards, correct, student_logprobs=student)
+        batch = Batch(records, rows, pad_rows(rows, self.pad_id), rewards, correct, student_logprobs=student,
+                      weight_versions=versions)
         if teacher_rows:
             tlp = torch.zeros_like(batch.rollouts.generation_logprobs)
             for i, lps in teacher_rows.items():
@@ -304,18 +343,15 @@ class RLProgram:
         return out
 
     def refit(self, version: int) -> float:
-        """Trainer -> generators. Every trainer rank helps gather the full state."""
+        """Trainer shards -> generator engines, slice by slice along the refit plan; the
+        engines stamp `version`. Raises RefitError naming a peer that died or is late."""
         t0 = time.perf_counter()
         if self.is_trainer:
-            state = self.backend.full_state_dict()
-            if self.is_driver:
-                self._meta = [(k, list(v.shape), str(v.dtype).split(".")[1]) for k, v in state.items()]
-        # names, shapes and dtypes in send order (every rank joins the broadcast; it is tiny)
-        meta = share(getattr(self, "_meta", None), src=0, group=self.ctx.groups.world)
-        if self.is_driver:
-            self.sender.send(state)
+            self.refit_ep.set_sources(self._refit_sources())
+            self.refit_ep.run(self.cfg.refit.timeout_s)
         elif self.engine is not None:
-            self.engine.receive(meta, 0, version)
+            out = self.engine.refit(version, self.cfg.refit.timeout_s)
+            self.log.debug("refit to version %d: %s", version, out)
         return time.perf_counter() - t0
 
     # ----------------------------------------------------------------------------------- loop
@@ -499,7 +535,7 @@ class RLProgram:
                                "response_len_mean": float(np.mean(r.generation_lengths)),
                                "truncated_frac": float(np.mean(r.truncated)),
                                "token_mult_prob_error": token_mult_prob_error(r.generation_logprobs, b.student_logprobs, mask),
-                               "weight_version": step - 1, **train, "timing": timing}
+                               "weight_version": min(b.weight_versions), **train, "timing": timing}
         if b.rewards is not None:
             rec["reward_mean"] = float(b.rewards.mean())
             rec["accuracy"] = _accuracy_by_task(b.records, b.correct)
@@ -519,7 +555,7 @@ class RLProgram:
                    "tasks": [x.task or "" for x in b.records]}
         if b.aliases:
             strings["teachers"] = b.aliases
-        store.write(step, arrays, strings, attrs={"weight_version": step - 1})
+        store.write(step, arrays, strings, attrs={"weight_version": min(b.weight_versions)})
         return rec
 
     # ------------------------------------------------------------------------------ checkpoints

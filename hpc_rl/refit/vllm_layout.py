@@ -1,0 +1,136 @@
+"""The vLLM side of a refit, described in Hugging Face names.
+
+vLLM keeps some HF parameters fused: q/k/v live in one `qkv_proj`, gate/up in one
+`gate_up_proj`, each tensor-parallel rank holding its slice of every member. The refit
+moves HF-named slices, so the destination layout is written in HF names (a TP rank keeps
+rows r of q_proj, of k_proj and of v_proj), and `fused_targets` says where each HF slice
+lands inside the fused vLLM parameter (which parameter, which shard id, at which offset).
+
+`check_against_model` compares these names with a live vLLM model at setup, so a trainer
+parameter vLLM does not have (or a shape that does not add up) stops the run before any
+step, naming the parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .layout import Layout, LayoutError, Piece, chunk_bounds, megatron_tp_dim, sharded
+
+Specs = Mapping[str, Tuple[Sequence[int], str]]
+
+# HF member -> (vLLM fused module, shard id as vLLM's weight loaders name it)
+FUSED_MEMBERS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_MEMBER = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+@dataclass(frozen=True)
+class FusedTarget:
+    param: str  # the vLLM parameter that holds this HF tensor's slice
+    shard_id: object  # "q"/"k"/"v" or 0/1, as vLLM's weight loaders call it
+    offset: int  # first row of this member inside the rank's fused parameter
+    rows: int  # rows of this member on the rank
+
+
+def vllm_name(hf_name: str) -> str:
+    m = _MEMBER.search(hf_name)
+    if not m:
+        return hf_name
+    return hf_name.replace(f".{m.group(1)}.", f".{FUSED_MEMBERS[m.group(1)][0]}.")
+
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
+_VOCAB = re.compile(r"(embed_tokens|lm_head)\.weight$")
+
+
+def vocab_bounds(vocab: int, tp: int) -> List[Tuple[int, int]]:
+    """vLLM's vocabulary split: the padded vocabulary in equal parts, clipped to the real
+    rows (the padding rows exist only on the engine)."""
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    per = -(-padded // tp)
+    return [(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(tp)]
+
+
+def vllm_tp_layout(specs: Specs, ranks: Sequence[int]) -> Layout:
+    """One vLLM engine of tensor parallel len(ranks): column-parallel (and fused members)
+    split along dim 0, row-parallel along dim 1, the vocabulary by vLLM's padded split,
+    the rest replicated."""
+    lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n)}, ranks, megatron_tp_dim)
+    for name, (shape, dtype) in specs.items():
+        if _VOCAB.search(name):
+            rest = tuple(shape[1:])
+            lay.add(name, shape, dtype, [Piece(r, (a,) + (0,) * len(rest), (b,) + rest)
+                                         for r, (a, b) in zip(ranks, vocab_bounds(shape[0], len(ranks)))])
+    return lay
+
+
+def fused_targets(specs: Specs, tp_size: int) -> Dict[str, FusedTarget]:
+    """For every fused HF member: its place inside the fused vLLM parameter on each rank
+    (the same on every rank: members are split evenly)."""
+    out: Dict[str, FusedTarget] = {}
+    groups: Dict[str, List[str]] = {}
+    for name in specs:
+        if _MEMBER.search(name):
+            groups.setdefault(vllm_name(name), []).append(name)
+    order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+    for param, members in groups.items():
+        offset = 0
+        for name in sorted(members, key=lambda n: order[_MEMBER.search(n).group(1)]):
+            rows0 = specs[name][0][0]
+            if rows0 % tp_size:
+                raise LayoutError(f"{name}: {rows0} rows do not split over tensor parallel {tp_size}")
+            rows = rows0 // tp_size
+            out[name] = FusedTarget(param, FUSED_MEMBERS[_MEMBER.search(name).group(1)][1], offset, rows)
+            offset += rows
+    return out
+
+
+def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], str]], tp_size: int = 1) -> None:
+    """`params`: the live vLLM model's named parameters (name -> local shape, dtype).
+    Every HF tensor must land in a vLLM parameter, with shapes that add up; raises
+    LayoutError listing every problem."""
+    problems: List[str] = []
+    targets = fused_targets(specs, tp_size)
+    fused_rows: Dict[str, int] = {}
+    for name, (shape, dtype) in specs.items():
+        target = vllm_name(name)
+        if target not in params:
+            problems.append(f"{name}: vLLM's model has no parameter {target}; is the checkpoint's architecture "
+                            f"the one vLLM loaded?")
+            continue
+        vshape, vdtype = params[target]
+        if vdtype != dtype:
+            problems.append(f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {target}); the refit sends "
+                            f"the engine's dtype, so build the source layout with it")
+        if name in targets:
+            fused_rows[target] = fused_rows.get(target, 0) + targets[name].rows
+            if tuple(vshape[1:]) != tuple(shape[1:]):
+                problems.append(f"{name}: shape {tuple(shape)} does not fit vLLM's {target} {tuple(vshape)}")
+        else:
+            dim = megatron_tp_dim(name)
+            local = list(shape)
+            if _VOCAB.search(name):  # the engine's rows include the padding
+                local[0] = -(-(-(-shape[0] // VOCAB_PADDING) * VOCAB_PADDING) // tp_size)
+            elif dim is not None:
+                a, b = chunk_bounds(shape[dim], tp_size)[0]
+                local[dim] = b - a
+            if tuple(local) != tuple(vshape):
+                problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}")
+    for param, rows in fused_rows.items():
+        if params[param][0][0] != rows:
+            problems.append(f"{param}: its members add up to {rows} rows, vLLM's parameter has {params[param][0][0]}")
+    if problems:
+        raise LayoutError("the trainer's weights do not map onto vLLM's model:\n  " + "\n  ".join(problems))
+
+
+def specs_of(state: Mapping[str, object], dtype: Optional[str] = None) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """HF name -> (global shape, dtype name) of a state dict (DTensors report global shapes)."""
+    return {k: (tuple(v.shape), dtype or str(v.dtype).split(".")[1]) for k, v in state.items()}
