@@ -8,8 +8,8 @@ their own straight from and into the tensors when those are contiguous. A proces
 play several layout ranks (a trainer shard and a vLLM shard on one GPU): transfers
 between its own ranks are copies.
 
-The walk is pipelined: the next bucket's messages are posted before this bucket is
-waited on, and `stream()` hands each destination piece to the caller as soon as its last
+The walk is pipelined: later buckets' messages are posted before this bucket is waited
+on (all of them by default: each message has its own buffer, prepared once), and `stream()` hands each destination piece to the caller as soon as its last
 byte is in, so a receiver can load weights while later buckets are still arriving.
 Stage-1 transfers (forwards inside a destination domain) are posted once the stage-0
 bytes they forward have landed. Every wait is bounded by the refit's deadline.
@@ -89,6 +89,8 @@ class RefitStats:
     seconds: float = 0.0
     wait_s: float = 0.0  # blocked on the transport
     consumer_s: float = 0.0  # inside the caller's hands between yields (e.g. vLLM loading)
+    post_s: float = 0.0  # posting (and packing) messages
+    unpack_s: float = 0.0  # copying packed or staged bytes into place
     bytes_sent: int = 0
     bytes_received: int = 0
     messages: int = 0
@@ -99,10 +101,14 @@ class RefitWalk:
     """One process's part of a plan, prepared once and run at every refit."""
 
     def __init__(self, plan: Plan, holdings: Holdings, proc_of: Mapping[int, int], me: int, transport,
-                 direct_min: int = 1 << 20):
+                 direct_min: int = 1 << 20, ahead: Optional[int] = None):
         self.plan, self.holdings, self.me, self.transport = plan, holdings, me, transport
         self.proc_of = dict(proc_of)
         self.direct_min = direct_min
+        # Buckets posted beyond the one being waited on. Every message has its own buffer
+        # (prepared once), so by default all are posted at once: posting while a transport
+        # thread streams a large message in contends for the same connection lock.
+        self.ahead = ahead
         self.pieces: Dict[tuple, int] = {}  # (dst rank, name, index) -> bytes it needs from the walk
         self.buckets: List[_Bucket] = [self._prepare(b) for b in plan.buckets]
         self.stats = RefitStats()
@@ -153,6 +159,13 @@ class RefitWalk:
 
     # ----------------------------------------------------------------------------------- run
     def _post(self, bucket: _Bucket, stage: int) -> List[Tuple[_Msg, object]]:
+        t0 = time.perf_counter()
+        try:
+            return self._post_inner(bucket, stage)
+        finally:
+            self.stats.post_s += time.perf_counter() - t0
+
+    def _post_inner(self, bucket: _Bucket, stage: int) -> List[Tuple[_Msg, object]]:
         for st, seg, src in bucket.local:
             if st == stage:
                 seg.view.copy_(src)
@@ -185,7 +198,8 @@ class RefitWalk:
         for m, handle in posted:
             what = f"{'sending' if m.outgoing else 'receiving'} {m.segs[0].transfer.name} (stage {m.stage}) {'to' if m.outgoing else 'from'}"
             self.transport.wait(handle, m.peer, deadline, what)
-        self.stats.wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.wait_s += t1 - t0
         for m, _ in posted:
             if m.outgoing:
                 continue
@@ -195,6 +209,7 @@ class RefitWalk:
                 elif m.buf is not None:
                     s.view.copy_(m.buf)
                 _count(left, s, done)
+        self.stats.unpack_s += time.perf_counter() - t1
 
     def stream(self, deadline: float) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
         """Run the walk; yields (dst rank, name, box start, tensor) for each destination piece
@@ -202,20 +217,22 @@ class RefitWalk:
         t_start = time.perf_counter()
         self.stats = RefitStats()
         left = dict(self.pieces)
-        pending = self._post(self.buckets[0], 0) if self.buckets else []
+        posted: Dict[int, List[Tuple[_Msg, object]]] = {}
+        ahead = len(self.buckets) if self.ahead is None else self.ahead
         for k, bucket in enumerate(self.buckets):
+            for j in range(k, min(k + 1 + ahead, len(self.buckets))):
+                if j not in posted:
+                    posted[j] = self._post(self.buckets[j], 0)
             done: List[tuple] = []
             for st, seg, _ in bucket.local:  # this bucket's local stage-0 copies were made when it was posted
                 if st == 0:
                     _count(left, seg, done)
-            nxt = self._post(self.buckets[k + 1], 0) if k + 1 < len(self.buckets) else []
-            self._finish(pending, deadline, left, done)
+            self._finish(posted.pop(k), deadline, left, done)
             forwards = self._post(bucket, 1)
             for st, seg, _ in bucket.local:
                 if st == 1:
                     _count(left, seg, done)
             self._finish(forwards, deadline, left, done)
-            pending = nxt
             for key in done:
                 rank, name, i = key
                 start, tensor = self.holdings.dst[rank][name][i]

@@ -30,7 +30,7 @@ class RefitSetup:
     prefix: str  # the group's namespace in the job's TCPStore
     domain_of: Optional[Dict[int, str]] = None  # layout rank -> NVLink domain, when known
     bucket_bytes: int = 64 << 20
-    direct_min: int = 1 << 20
+    direct_min: int = 64 << 10  # slices from 64 KiB travel on their own, zero-copy where contiguous
     timeout_s: float = 120.0
 
     def to_wire(self) -> dict:

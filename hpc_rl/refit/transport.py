@@ -85,7 +85,10 @@ class TorchP2P:
             self._fail(peer, what, exc)
 
     def barrier(self, deadline: float) -> None:
-        """Everyone arrived: one tiny all-reduce, so a sender knows its receivers finished."""
+        """Everyone arrived: one tiny all-reduce, so a sender knows its receivers finished.
+        Arrivals are also noted in the store, so a timeout can name who is missing."""
+        self.epoch = getattr(self, "epoch", 0) + 1
+        self._store_set(f"{self.prefix}/arrived/{self.epoch}/{self.rank}", "1")
         t = torch.ones(1, device="cuda" if self.cuda else "cpu")
         work = self.backend.allreduce([t])
         left = deadline - time.monotonic()
@@ -94,7 +97,9 @@ class TorchP2P:
                 raise TimeoutError("deadline passed")
             work.wait(timedelta(seconds=left)) if not self.cuda else work.wait()
         except Exception as exc:
-            self._fail(None, "in the end-of-refit barrier with", exc)
+            missing = [r for r in range(self.world)
+                       if self._store_get(f"{self.prefix}/arrived/{self.epoch}/{r}") is None]
+            self._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for", exc)
         if int(t.item()) != self.world:
             raise RefitError(f"refit barrier counted {int(t.item())} of {self.world} ranks")
 
@@ -114,7 +119,7 @@ class TorchP2P:
         for; after a short grace every failing rank follows that chain (A waited on B, B on
         C, C on nobody: C is the one that did not arrive), so all sides name the same peer."""
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        timed_out = "Timed out" in text or "deadline" in text or isinstance(exc, TimeoutError)
+        timed_out = "timed out" in text.lower() or "deadline" in text or isinstance(exc, TimeoutError)
         if timed_out and peer is not None:
             self._store_set(f"{self.prefix}/waiting/{self.rank}", str(peer))
         grace = time.monotonic() + 1.0

@@ -118,10 +118,10 @@ class VLLMGenerator:
         and prepares its part of the plan."""
         return self.llm.collective_rpc("hpc_rl_join", args=(setup.to_wire(), first_rank, host, port))[0]
 
-    def refit(self, version: int, timeout_s: float) -> Dict[str, float]:
-        """Receive and load the weights of trainer step `version`; raises RefitError (through
-        vLLM's RPC) when a peer dies or the deadline passes."""
-        out = self.llm.collective_rpc("hpc_rl_refit", args=(version, timeout_s))[0]
+    def refit(self, version: int, timeout_s: float, load: bool = True, ready_key: Optional[str] = None) -> Dict[str, float]:
+        """Receive and load the weights of trainer step `version`; raises (through vLLM's
+        RPC, with the RefitError's text) when a peer dies or the deadline passes."""
+        out = self.llm.collective_rpc("hpc_rl_refit", args=(version, timeout_s, load, ready_key))[0]
         self.weight_version = out["version"]  # stamped by the worker after the end-of-refit barrier
         return out
 

@@ -15,7 +15,7 @@ end-of-refit barrier.
 from __future__ import annotations
 
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 
 class RefitWorkerExtension:
@@ -54,8 +54,12 @@ class RefitWorkerExtension:
         self._hpc_rl_version = -1
         return {"join_s": time.perf_counter() - t0, "prepare_s": self._hpc_rl_refit.prepare_s}
 
-    def hpc_rl_refit(self, version: int, timeout_s: float) -> Dict[str, float]:
-        """Receive this refit's slices and load them; returns timings and the new version."""
+    def hpc_rl_refit(self, version: int, timeout_s: float, load: bool = True,
+                     ready_key: Optional[str] = None) -> Dict[str, float]:
+        """Receive this refit's slices and load them; returns timings and the new version.
+        `load=False` only receives (the benchmark's transfer-only timing); `ready_key` is
+        set in the store once the receives are about to be posted (benchmarks start the
+        senders on it)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
@@ -63,19 +67,67 @@ class RefitWorkerExtension:
         endpoint = self._hpc_rl_refit
         model = self.model_runner.get_model()
         t0 = time.perf_counter()
-        # TP 1: every piece is a whole HF tensor, which vLLM's loaders take by its HF name
-        tensors = ((name, tensor) for _rank, name, _start, tensor in endpoint.stream(timeout_s))
+        stream = endpoint.stream(timeout_s)
+        if ready_key:
+            endpoint.transport.store.set(ready_key, "1")
+        finalize_s = init_s = 0.0
+        if load:
+            # TP 1: every piece is a whole HF tensor, which vLLM's loaders take by its HF name
+            with set_current_vllm_config(self.vllm_config):
+                t_init = time.perf_counter()
+                initialize_layerwise_reload(model)
+                init_s = time.perf_counter() - t_init
+                model.load_weights((name, tensor) for _rank, name, _start, tensor in stream)
+                t_loaded = time.perf_counter()
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                finalize_s = time.perf_counter() - t_loaded
+        else:
+            for _ in stream:
+                pass
+        stats = endpoint.finish()
+        if load:
+            self._hpc_rl_version = version
+        return {"version": self.hpc_rl_version(), "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s, "load_in_stream_s": stats.consumer_s, "finalize_s": finalize_s,
+                "init_s": init_s, "stream_s": stats.seconds, "post_s": stats.post_s, "unpack_s": stats.unpack_s,
+                "bytes": stats.bytes_received, "messages": stats.messages}
+
+    def hpc_rl_load_local(self) -> Dict[str, float]:
+        """Load the tensors of the last refit again from this worker's memory: what vLLM's
+        weight processing alone costs (the benchmark's reference)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                       initialize_layerwise_reload)
+
+        model = self.model_runner.get_model()
+        pieces = [(name, boxes[0][1]) for _rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
+                  for name, boxes in tensors.items()]
+        t0 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            model.load_weights(tensors)
-            t_loaded = time.perf_counter()
+            model.load_weights(iter(pieces))
             finalize_layerwise_reload(model, self.vllm_config.model_config)
-        stats = endpoint.finish()
-        self._hpc_rl_version = version
-        return {"version": version, "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s,
-                "stream_s": stats.seconds, "load_in_stream_s": stats.consumer_s,
-                "finalize_s": time.perf_counter() - t_loaded, "bytes": stats.bytes_received,
-                "messages": stats.messages}
+        return {"load_s": time.perf_counter() - t0}
+
+    def hpc_rl_raw_receive(self, sizes: Dict[int, int], timeout_s: float, ready_key: str) -> Dict[str, float]:
+        """The benchmark's reference: one flat message of `sizes[peer]` bytes from each peer,
+        all posted at once, on the refit group's own transport."""
+        import torch
+
+        transport = self._hpc_rl_refit.transport
+        # allocated once, like the refit's own buffers: page faults are not the transport's cost
+        cache = getattr(self, "_hpc_rl_raw_bufs", {})
+        bufs = {int(p): cache.get(int(p)) for p in sizes}
+        bufs = {p: (b if b is not None and b.numel() == int(sizes[p]) else torch.empty(int(sizes[p]), dtype=torch.uint8))
+                for p, b in bufs.items()}
+        self._hpc_rl_raw_bufs = bufs
+        deadline = time.monotonic() + timeout_s
+        t0 = time.perf_counter()
+        handles = [(p, transport.recv(b, p, 0)) for p, b in bufs.items()]
+        transport.store.set(ready_key, "1")
+        for p, h in handles:
+            transport.wait(h, p, deadline, "receiving the raw reference message from")
+        transport.barrier(deadline)
+        return {"raw_s": time.perf_counter() - t0}
 
     def hpc_rl_version(self) -> int:
         return getattr(self, "_hpc_rl_version", -1)
