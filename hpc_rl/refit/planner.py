@@ -6,7 +6,8 @@ Rules:
     once: it lands on one destination rank of that domain that needs it, which forwards it
     to the domain's other ranks that need it (stage 1, over NVLink);
   - a byte already held by a source rank in the destination's domain never crosses domains;
-  - among source replicas the least-loaded holder (bytes sent so far) sends, ties to the
+  - among source replicas the least-loaded holder (bytes sent so far) sends, and the
+    landing rank is the one that took in the fewest inter-domain bytes so far, ties to the
     lowest rank: deterministic, so both sides compute the same plan without messages;
   - transfers are grouped into buckets under a byte budget, in a fixed order.
 
@@ -100,6 +101,7 @@ def plan_refit(src: Layout, dst: Layout, domain_of: Optional[Mapping[int, str]] 
     check_pair(src, dst)
     dom = (lambda r: domain_of.get(r, f"rank{r}")) if domain_of is not None else (lambda r: f"rank{r}")
     sent: Dict[int, int] = defaultdict(int)
+    landed: Dict[int, int] = defaultdict(int)  # inter-domain bytes each destination rank took in
     transfers: List[Transfer] = []
     for name in sorted(src.tensors):
         s, d = src.tensors[name], dst.tensors[name]
@@ -128,10 +130,13 @@ def plan_refit(src: Layout, dst: Layout, domain_of: Optional[Mapping[int, str]] 
                         routes[(source, r, 0, False)].append((lo, hi))
                         sent[source] += nbytes
                 else:  # one crossing to a landing rank that keeps the bytes, then NVLink fan-out
-                    landing = want[0]
+                    landing = min(want, key=lambda r: (landed[r], r))  # spread landings over the NICs
+                    landed[landing] += nbytes
                     routes[(source, landing, 0, True)].append((lo, hi))
                     sent[source] += nbytes
-                    for r in want[1:]:
+                    for r in want:
+                        if r == landing:
+                            continue
                         routes[(landing, r, 1, False)].append((lo, hi))
                         sent[landing] += nbytes
         # stage 0 before stage 1: a forward never comes before the transfer that lands its bytes

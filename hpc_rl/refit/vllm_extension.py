@@ -115,9 +115,10 @@ class RefitWorkerExtension:
 
         transport = self._hpc_rl_refit.transport
         # allocated once, like the refit's own buffers: page faults are not the transport's cost
+        sizes = {int(p): int(n) for p, n in sizes.items()}
         cache = getattr(self, "_hpc_rl_raw_bufs", {})
-        bufs = {int(p): cache.get(int(p)) for p in sizes}
-        bufs = {p: (b if b is not None and b.numel() == int(sizes[p]) else torch.empty(int(sizes[p]), dtype=torch.uint8))
+        bufs = {p: cache.get(p) for p in sizes}
+        bufs = {p: (b if b is not None and b.numel() == sizes[p] else torch.empty(sizes[p], dtype=torch.uint8))
                 for p, b in bufs.items()}
         self._hpc_rl_raw_bufs = bufs
         deadline = time.monotonic() + timeout_s
