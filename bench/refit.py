@@ -24,6 +24,7 @@ Writes bench/results/refit.json by default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -89,7 +90,8 @@ def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wi
                 transport.wait(transport.send(flat, receiver, 0), receiver, deadline, "sending the raw message to")
                 transport.barrier(deadline)
             else:
-                endpoint.run(setup.timeout_s)
+                stats = endpoint.run(setup.timeout_s)
+                store.set(f"bench/s/{i}/{rank}", json.dumps(dataclasses.asdict(stats)))
             store.set(f"bench/t/{i}/{rank}", repr(time.perf_counter() - t0))
         i += 1
     dist.destroy_process_group()
@@ -113,6 +115,7 @@ def run_local(args) -> dict:
             t = f.get_slice(k)
             specs[k] = (tuple(t.get_shape()), {"F32": "float32", "BF16": "bfloat16"}[t.get_dtype()])
     setup = refit_setup(specs, 2, 1, PREFIX, timeout_s=120, bucket_bytes=args.bucket_mb << 20)
+    setup.direct_min = args.direct_kb << 10
     plan = setup.plan()
     total = sum(t.nbytes for t in plan.transfers)
     port, fsdp_port = _free_port(), _free_port()
@@ -129,6 +132,7 @@ def run_local(args) -> dict:
     sizes = {r: int(store.get(f"bench/flat/{r}")) for r in range(2)}
     rows = {"raw": [], "transfer": [], "refit": [], "load": []}
     receiver = {"transfer": [], "refit": []}
+    sender_stats = {"transfer": [], "refit": []}
     i = 0
 
     def senders(i: int) -> float:
@@ -147,6 +151,7 @@ def run_local(args) -> dict:
                 t = senders(i)
                 if trial:
                     receiver[mode].append(out)
+                    sender_stats[mode].append(json.loads(store.get(f"bench/s/{i}/0")))
             else:
                 t = gen.llm.collective_rpc("hpc_rl_load_local")[0]["load_s"]
             if trial:
@@ -165,7 +170,7 @@ def run_local(args) -> dict:
         "model": {"bytes": total, "tensors": len(specs), "dtype": "float32",
                   "shape": "Llama hidden 512, FFN 1536, 5 layers, 8 heads (built here)"},
         "layout": "FSDP2 Shard(0) over 2 trainer processes -> 1 vLLM CPU engine (TP 1), gloo",
-        "bucket_mb": args.bucket_mb, "trials": args.trials,
+        "bucket_mb": args.bucket_mb, "direct_kb": args.direct_kb, "trials": args.trials,
         "plan": plan.stats, "join": join,
         "seconds_median": med, "seconds_all": rows,
         "throughput_GBps": {m: total / med[m] / 1e9 for m in ("raw", "transfer", "refit")},
@@ -175,6 +180,9 @@ def run_local(args) -> dict:
                                           for k in ("refit_s", "stream_s", "wait_s", "post_s", "unpack_s", "load_in_stream_s", "init_s",
                                                     "finalize_s")}
                                       for m in receiver},
+        "sender0_breakdown_median": {m: {k: statistics.median(r[k] for r in sender_stats[m])
+                                         for k in ("seconds", "wait_s", "post_s", "unpack_s", "messages")}
+                                     for m in sender_stats},
         "bytes_moved": {"reshard_plan": total, "gather_then_broadcast": gather_in + gb,
                         "gather_then_broadcast_detail": {"gather_to_rank0": gather_in, "broadcast": gb}},
         "engine_weight_version_after": version,
@@ -190,7 +198,8 @@ def run_scale() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=7)
-    ap.add_argument("--bucket-mb", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=int, default=2)
+    ap.add_argument("--direct-kb", type=int, default=64, help="slices from this size travel as their own message")
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "refit.json"))

@@ -76,6 +76,7 @@ class _Msg:
     packed: bool
     nbytes: int
     buf: Optional[torch.Tensor] = None  # the packed or staging buffer, reused across refits
+    wire: Optional[torch.Tensor] = None  # what goes on the wire: buf, or the slice itself, as bytes
 
 
 @dataclass
@@ -149,12 +150,13 @@ class RefitWalk:
                 for s in small:
                     s.offset = off
                     off += -(-s.transfer.nbytes // ALIGN) * ALIGN
-                bucket.msgs.append(_Msg(peer, stage, outgoing, small, True, off,
-                                        torch.empty(off, dtype=torch.uint8, device=small[0].view.device)))
+                buf = torch.empty(off, dtype=torch.uint8, device=small[0].view.device)
+                bucket.msgs.append(_Msg(peer, stage, outgoing, small, True, off, buf, buf))
             for s in segs:
                 if s.transfer.nbytes >= self.direct_min:
                     staging = None if s.view.is_contiguous() else torch.empty_like(s.view, memory_format=torch.contiguous_format)
-                    bucket.msgs.append(_Msg(peer, stage, outgoing, [s], False, s.transfer.nbytes, staging))
+                    wire = _as_bytes(staging if staging is not None else s.view)
+                    bucket.msgs.append(_Msg(peer, stage, outgoing, [s], False, s.transfer.nbytes, staging, wire))
         return bucket
 
     # ----------------------------------------------------------------------------------- run
@@ -178,16 +180,12 @@ class RefitWalk:
                 if m.packed:
                     for s in m.segs:
                         _segment(m.buf, s).copy_(s.view)
-                    buf = m.buf
                 elif m.buf is not None:
-                    buf = m.buf.copy_(m.segs[0].view)
-                else:
-                    buf = m.segs[0].view
-                posted.append((m, self.transport.send(_as_bytes(buf), m.peer, stage)))
+                    m.buf.copy_(m.segs[0].view)
+                posted.append((m, self.transport.send(m.wire, m.peer, stage)))
                 self.stats.bytes_sent += m.nbytes
             else:
-                buf = m.buf if m.buf is not None else m.segs[0].view
-                posted.append((m, self.transport.recv(_as_bytes(buf), m.peer, stage)))
+                posted.append((m, self.transport.recv(m.wire, m.peer, stage)))
                 self.stats.bytes_received += m.nbytes
             self.stats.messages += 1
         return posted
@@ -211,9 +209,10 @@ class RefitWalk:
                 _count(left, s, done)
         self.stats.unpack_s += time.perf_counter() - t1
 
-    def stream(self, deadline: float) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
+    def stream(self, deadline: float, on_posted=None) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
         """Run the walk; yields (dst rank, name, box start, tensor) for each destination piece
-        of this process as soon as it is whole. Raises RefitError on a dead or late peer."""
+        of this process as soon as it is whole. Raises RefitError on a dead or late peer.
+        `on_posted` is called once the first buckets' messages are posted."""
         t_start = time.perf_counter()
         self.stats = RefitStats()
         left = dict(self.pieces)
@@ -223,6 +222,8 @@ class RefitWalk:
             for j in range(k, min(k + 1 + ahead, len(self.buckets))):
                 if j not in posted:
                     posted[j] = self._post(self.buckets[j], 0)
+            if k == 0 and on_posted is not None:
+                on_posted()
             done: List[tuple] = []
             for st, seg, _ in bucket.local:  # this bucket's local stage-0 copies were made when it was posted
                 if st == 0:

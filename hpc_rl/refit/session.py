@@ -84,9 +84,9 @@ class RefitEndpoint:
             self.walk = RefitWalk(self.plan, Holdings(src=sources, dst=self.walk.holdings.dst), self.setup.proc_of,
                                   self.me, self.transport, self.setup.direct_min)
 
-    def stream(self, timeout_s: Optional[float] = None) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
+    def stream(self, timeout_s: Optional[float] = None, on_posted=None) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
         self.deadline = time.monotonic() + (timeout_s or self.setup.timeout_s)
-        return self.walk.stream(self.deadline)
+        return self.walk.stream(self.deadline, on_posted)
 
     def finish(self) -> RefitStats:
         """The end-of-refit barrier (within the same deadline): every side knows all arrived."""

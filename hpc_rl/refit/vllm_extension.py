@@ -58,8 +58,8 @@ class RefitWorkerExtension:
                      ready_key: Optional[str] = None) -> Dict[str, float]:
         """Receive this refit's slices and load them; returns timings and the new version.
         `load=False` only receives (the benchmark's transfer-only timing); `ready_key` is
-        set in the store once the receives are about to be posted (benchmarks start the
-        senders on it)."""
+        set in the store once the receives are posted (benchmarks start the senders on it,
+        as they do for the raw reference)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
@@ -67,9 +67,8 @@ class RefitWorkerExtension:
         endpoint = self._hpc_rl_refit
         model = self.model_runner.get_model()
         t0 = time.perf_counter()
-        stream = endpoint.stream(timeout_s)
-        if ready_key:
-            endpoint.transport.store.set(ready_key, "1")
+        signal = (lambda: endpoint.transport.store.set(ready_key, "1")) if ready_key else None
+        stream = endpoint.stream(timeout_s, on_posted=signal)
         finalize_s = init_s = 0.0
         if load:
             # TP 1: every piece is a whole HF tensor, which vLLM's loaders take by its HF name
