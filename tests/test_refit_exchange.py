@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hpc_rl.refit.execute import Holdings, RefitWalk
 from hpc_rl.refit.layout import Layout, expert_parallel, merge, tensor_parallel
 from hpc_rl.refit.planner import plan_refit
-from hpc_rl.refit.transport import RefitError, TorchP2P
+from hpc_rl.refit.transport import RefitError, make_transport
 
 SPECS = {
     "model.embed_tokens.weight": ((64, 16), "float32"),
@@ -49,12 +49,12 @@ def truth(name: str, shape, dtype: str) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(DTYPES[dtype])
 
 
-def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, out):
+def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, kind, out):
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=(me == 0), timeout=timedelta(seconds=30),
                               wait_for_workers=False)
         names = {p: f"proc:{p}" for p in range(world)}
-        transport = TorchP2P.gloo(store, "refit/test", me, world, names, timeout_s=30)
+        transport = make_transport(kind, store, "refit/test", me, world, names, timeout_s=30)
         plan = plan_refit(src, dst, domain_of, bucket_bytes=2048)
         mine = [r for r, p in proc_of.items() if p == me]
         holdings = Holdings(dst=Holdings.allocate(dst, mine))
@@ -95,13 +95,13 @@ def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, 
         out.put((me, "crash", traceback.format_exc(), 0.0))
 
 
-def run_case(src: Layout, dst: Layout, proc_of, domain_of=None, direct_min=256, misbehave=None):
+def run_case(src: Layout, dst: Layout, proc_of, domain_of=None, direct_min=256, misbehave=None, kind="torch"):
     world = max(proc_of.values()) + 1
     port = _free_port()
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_proc, args=(p, world, port, src, dst, proc_of, domain_of, direct_min,
-                                             (misbehave or {}).get(p), out)) for p in range(world)]
+                                             (misbehave or {}).get(p), kind, out)) for p in range(world)]
     for p in procs:
         p.start()
     expected = world - len(misbehave or {})
@@ -128,9 +128,10 @@ def _assert_exact(results, world):
         assert payload["received"] == payload["expect_in"] and payload["sent"] == payload["expect_out"], payload
 
 
-def test_tp2_to_tp1_with_a_process_holding_both_sides():
+@pytest.mark.parametrize("kind", ["torch", "nixl"])
+def test_tp2_to_tp1_with_a_process_holding_both_sides(kind):
     src, dst = tensor_parallel(SPECS, [0, 1]), tensor_parallel(SPECS, [10])
-    _assert_exact(run_case(src, dst, {0: 0, 1: 1, 10: 1}), 2)
+    _assert_exact(run_case(src, dst, {0: 0, 1: 1, 10: 1}, kind=kind), 2)
 
 
 def test_tp1_to_tp2_packed_and_direct_messages():
@@ -145,19 +146,21 @@ def test_expert_parallel_to_a_different_expert_split():
     _assert_exact(run_case(src, dst, {0: 0, 1: 0, 2: 1, 3: 1, 10: 2, 11: 1}), 3)
 
 
-def test_replicas_across_domains_forward_inside_the_domain():
+@pytest.mark.parametrize("kind", ["torch", "nixl"])
+def test_replicas_across_domains_forward_inside_the_domain(kind):
     src = tensor_parallel(SPECS, [0, 1])
     dst = merge(tensor_parallel(SPECS, [10, 11]), tensor_parallel(SPECS, [12, 13]))
     domain = {0: "A", 1: "A", 10: "B", 11: "B", 12: "B", 13: "B"}
     plan = plan_refit(src, dst, domain)
     assert any(t.stage == 1 for t in plan.transfers), "replicas in one domain should be fed by forwards"
-    _assert_exact(run_case(src, dst, {0: 0, 1: 0, 10: 1, 11: 2, 12: 3, 13: 3}, domain_of=domain), 4)
+    _assert_exact(run_case(src, dst, {0: 0, 1: 0, 10: 1, 11: 2, 12: 3, 13: 3}, domain_of=domain, kind=kind), 4)
 
 
+@pytest.mark.parametrize("kind", ["torch", "nixl"])
 @pytest.mark.parametrize("how", ["die", "hang"])
-def test_a_dead_or_silent_receiver_makes_the_sender_raise_within_the_deadline(how):
+def test_a_dead_or_silent_receiver_makes_the_sender_raise_within_the_deadline(how, kind):
     src, dst = tensor_parallel(SPECS, [0]), tensor_parallel(SPECS, [10, 11])
-    results = run_case(src, dst, {0: 0, 10: 1, 11: 2}, misbehave={2: how})
+    results = run_case(src, dst, {0: 0, 10: 1, 11: 2}, misbehave={2: how}, kind=kind)
     kind, payload, secs = results[0]
     assert kind == "error", f"the sender should fail, got {kind}: {payload}"
     assert "proc:2" in payload, payload

@@ -32,6 +32,7 @@ class RefitSetup:
     bucket_bytes: int = 64 << 20
     direct_min: int = 64 << 10  # slices from 64 KiB travel on their own, zero-copy where contiguous
     timeout_s: float = 120.0
+    transport: str = "torch"  # "torch" (NCCL on GPUs, gloo on CPUs) or "nixl"
 
     def to_wire(self) -> dict:
         """Plain dict for RPC layers that do not carry dataclasses (vLLM's collective_rpc)."""

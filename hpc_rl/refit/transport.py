@@ -5,8 +5,9 @@
 wait takes the time left before the refit's deadline. Gloo honours a wait timeout and
 then closes the pair, so the peer's pending operations fail as well: a refit never hangs.
 
-`NixlTransport` moves registered DRAM buffers with NIXL agents (UCX), the path that
-carries VRAM on GPUs. Peers exchange agent metadata through the same store.
+`NixlTransport` moves registered buffers with NIXL agents over UCX (DRAM here, VRAM on
+GPUs): receivers publish their buffers' descriptors in the store, senders WRITE into
+them. It is the second path, slower than gloo on this machine.
 
 A failure names the peer (by role and rank, e.g. "generator:0") and, where one side gave
 up first, says so through an abort key in the store so the other side reports the cause
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Protocol
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,69 +40,17 @@ class Transport(Protocol):
     def barrier(self, deadline: float) -> None: ...
 
 
-class TorchP2P:
-    """Sends and receives on a c10d backend (gloo or NCCL) of the refit group."""
+class _Named:
+    """Names peers in errors and agrees on a culprit through the store (both transports)."""
 
-    def __init__(self, backend, rank: int, world: int, names: Dict[int, str], store: Optional[dist.Store] = None,
-                 prefix: str = "refit"):
-        self.backend, self.rank, self.world, self.names = backend, rank, world, names
-        self.store, self.prefix = store, prefix
-        self.cuda = False
-
-    @classmethod
-    def gloo(cls, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
-             timeout_s: float) -> "TorchP2P":
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timedelta(seconds=timeout_s))
-        return cls(pg, rank, world, names, store, prefix)
-
-    @classmethod
-    def nccl(cls, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
-             timeout_s: float) -> "TorchP2P":
-        pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world,
-                                   dist.ProcessGroupNCCL.Options())
-        out = cls(pg, rank, world, names, store, prefix)
-        out.cuda = True
-        return out
+    rank: int
+    world: int
+    names: Dict[int, str]
+    store: Optional[dist.Store]
+    prefix: str
 
     def name(self, peer: int) -> str:
         return self.names.get(peer, f"refit rank {peer}")
-
-    def send(self, buf: torch.Tensor, peer: int, tag: int):
-        return self.backend.send([buf], peer, tag)
-
-    def recv(self, buf: torch.Tensor, peer: int, tag: int):
-        return self.backend.recv([buf], peer, tag)
-
-    def wait(self, handle, peer: int, deadline: float, what: str) -> None:
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            if self.cuda:
-                handle.wait()
-            else:
-                handle.wait(timedelta(seconds=left))
-        except Exception as exc:
-            self._fail(peer, what, exc)
-
-    def barrier(self, deadline: float) -> None:
-        """Everyone arrived: one tiny all-reduce, so a sender knows its receivers finished.
-        Arrivals are also noted in the store, so a timeout can name who is missing."""
-        self.epoch = getattr(self, "epoch", 0) + 1
-        self._store_set(f"{self.prefix}/arrived/{self.epoch}/{self.rank}", "1")
-        t = torch.ones(1, device="cuda" if self.cuda else "cpu")
-        work = self.backend.allreduce([t])
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            work.wait(timedelta(seconds=left)) if not self.cuda else work.wait()
-        except Exception as exc:
-            missing = [r for r in range(self.world)
-                       if self._store_get(f"{self.prefix}/arrived/{self.epoch}/{r}") is None]
-            self._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for", exc)
-        if int(t.item()) != self.world:
-            raise RefitError(f"refit barrier counted {int(t.item())} of {self.world} ranks")
 
     def abort(self, reason: str) -> None:
         """Tell the other ranks why this refit stops (the first reason stays)."""
@@ -169,92 +118,180 @@ class TorchP2P:
             return None
 
 
-class NixlTransport:
-    """NIXL agents over UCX moving DRAM buffers. Each process registers its buffers per
-    operation; the receiver publishes its buffer's descriptor in the store and the sender
-    writes into it, then notifies. Slower here than gloo (about 3-4 GB/s on loopback) and
-    kept as the second path: on GPUs the same calls move VRAM without a host copy."""
+class TorchP2P(_Named):
+    """Sends and receives on a c10d backend (gloo or NCCL) of the refit group."""
+
+    def __init__(self, backend, rank: int, world: int, names: Dict[int, str], store: Optional[dist.Store] = None,
+                 prefix: str = "refit"):
+        self.backend, self.rank, self.world, self.names = backend, rank, world, names
+        self.store, self.prefix = store, prefix
+        self.cuda = False
+
+    @classmethod
+    def gloo(cls, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
+             timeout_s: float) -> "TorchP2P":
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timedelta(seconds=timeout_s))
+        return cls(pg, rank, world, names, store, prefix)
+
+    @classmethod
+    def nccl(cls, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
+             timeout_s: float) -> "TorchP2P":
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world,
+                                   dist.ProcessGroupNCCL.Options())
+        out = cls(pg, rank, world, names, store, prefix)
+        out.cuda = True
+        return out
+
+    def send(self, buf: torch.Tensor, peer: int, tag: int):
+        return self.backend.send([buf], peer, tag)
+
+    def recv(self, buf: torch.Tensor, peer: int, tag: int):
+        return self.backend.recv([buf], peer, tag)
+
+    def wait(self, handle, peer: int, deadline: float, what: str) -> None:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            if self.cuda:
+                handle.wait()
+            else:
+                handle.wait(timedelta(seconds=left))
+        except Exception as exc:
+            self._fail(peer, what, exc)
+
+    def barrier(self, deadline: float) -> None:
+        """Everyone arrived: one tiny all-reduce, so a sender knows its receivers finished.
+        Arrivals are also noted in the store, so a timeout can name who is missing."""
+        self.epoch = getattr(self, "epoch", 0) + 1
+        self._store_set(f"{self.prefix}/arrived/{self.epoch}/{self.rank}", "1")
+        t = torch.ones(1, device="cuda" if self.cuda else "cpu")
+        work = self.backend.allreduce([t])
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            work.wait(timedelta(seconds=left)) if not self.cuda else work.wait()
+        except Exception as exc:
+            missing = [r for r in range(self.world)
+                       if self._store_get(f"{self.prefix}/arrived/{self.epoch}/{r}") is None]
+            self._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for", exc)
+        if int(t.item()) != self.world:
+            raise RefitError(f"refit barrier counted {int(t.item())} of {self.world} ranks")
+
+class NixlTransport(_Named):
+    """NIXL agents (UCX) writing registered buffers: DRAM here, VRAM on GPUs.
+
+    A receive registers its buffer (once: refit buffers live across refits) and publishes
+    its descriptors under a key both sides derive from the message's sequence number on
+    that pair; the sender WRITEs into it with that key as the notification, and the
+    receiver polls for the notification. Agents exchange metadata through the store."""
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str]):
-        from nixl._api import nixl_agent
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.store, self.prefix, self.rank, self.world, self.names = store, prefix, rank, world, names
-        self.agent = nixl_agent(f"{prefix}-{rank}")
-        store.set(f"{prefix}/nixl/meta/{rank}", self.agent.get_agent_metadata())
-        self._peers: Dict[int, str] = {}
+        self.agent = nixl_agent(f"{prefix}/{rank}", nixl_agent_config(backends=["UCX"]))
+        self._remote: Dict[int, Tuple[str, int]] = {}  # peer -> (agent name, metadata version loaded)
         self._seq: Dict[tuple, int] = {}
+        self._regs: Dict[tuple, object] = {}
+        self._md_version = 0  # bumped by each new registration; peers reload our metadata then
+        self._published = -1
+        self.cuda = False
 
-    def name(self, peer: int) -> str:
-        return self.names.get(peer, f"refit rank {peer}")
+    def _load_peer(self, peer: int, version: int, deadline: float) -> str:
+        """The peer's agent, with metadata at least as new as `version` (its registrations)."""
+        name, loaded = self._remote.get(peer, (None, -1))
+        if loaded < version:
+            key = f"{self.prefix}/nixl/md/{peer}/{version}"
+            self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            if name is not None:
+                self.agent.remove_remote_agent(name)
+            name = self.agent.add_remote_agent(self.store.get(key))
+            name = name.decode() if isinstance(name, bytes) else name
+            self._remote[peer] = (name, version)
+        return name
 
-    def _peer(self, peer: int) -> str:
-        if peer not in self._peers:
-            meta = self.store.get(f"{self.prefix}/nixl/meta/{peer}")
-            self._peers[peer] = self.agent.add_remote_agent(meta)
-            if isinstance(self._peers[peer], bytes):
-                self._peers[peer] = self._peers[peer].decode()
-        return self._peers[peer]
+    def _register(self, buf: torch.Tensor) -> None:
+        key = (buf.data_ptr(), buf.numel() * buf.element_size())
+        if key not in self._regs:
+            self._regs[key] = self.agent.register_memory(buf)
+            self._md_version += 1
 
     def _key(self, src: int, dst: int, tag: int) -> str:
         n = self._seq.get((src, dst, tag), 0)
         self._seq[(src, dst, tag)] = n + 1
-        return f"{self.prefix}/nixl/{src}-{dst}-{tag}-{n}"
+        return f"{self.prefix}/nixl/{src}-{dst}/{tag}/{n}"
 
     def recv(self, buf: torch.Tensor, peer: int, tag: int):
+        import pickle
+
         key = self._key(peer, self.rank, tag)
-        reg = self.agent.register_memory(buf)
-        descs = self.agent.get_xfer_descs(buf)
-        self.store.set(key, self.agent.get_serialized_descs(descs))
-        return ("recv", key, reg, peer)
+        self._register(buf)
+        if self._published != self._md_version:
+            self.store.set(f"{self.prefix}/nixl/md/{self.rank}/{self._md_version}", self.agent.get_agent_metadata())
+            self._published = self._md_version
+        descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(buf))
+        self.store.set(key, pickle.dumps((self._md_version, descs)))
+        return ("recv", key)
 
     def send(self, buf: torch.Tensor, peer: int, tag: int):
-        key = self._key(self.rank, peer, tag)
-        return ("send", key, buf, peer)
+        return ("send", self._key(self.rank, peer, tag), buf)
 
     def wait(self, handle, peer: int, deadline: float, what: str) -> None:
-        kind, key = handle[0], handle[1]
         try:
-            if kind == "recv":
-                reg = handle[2]
-                note = key.encode()
-                while not self.agent.check_remote_xfer_done(self._peer(peer), note):
+            if handle[0] == "recv":
+                note = handle[1].encode()
+                while not self.agent.check_remote_xfer_done(f"{self.prefix}/{peer}", note):
                     if time.monotonic() > deadline:
                         raise TimeoutError("deadline passed")
-                    time.sleep(0.0002)
-                self.agent.deregister_memory(reg)
+                    time.sleep(0.0001)
                 return
-            buf = handle[2]
-            left = deadline - time.monotonic()
-            self.store.wait([key], timedelta(seconds=max(left, 0.001)))
-            remote = self.agent.deserialize_descs(self.store.get(key))
-            reg = self.agent.register_memory(buf)
-            local = self.agent.get_xfer_descs(buf)
-            xfer = self.agent.initialize_xfer("WRITE", local, remote, self._peer(peer), key.encode())
-            state = self.agent.transfer(xfer)
-            while state != "DONE":
-                if state == "ERR":
-                    raise RuntimeError("NIXL transfer failed")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("deadline passed")
-                state = self.agent.check_xfer_state(xfer)
-            self.agent.release_xfer_handle(xfer)
-            self.agent.deregister_memory(reg)
+            import pickle
+
+            key, buf = handle[1], handle[2]
+            self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            version, descs = pickle.loads(self.store.get(key))
+            agent = self._load_peer(peer, version, deadline)
+            self._register(buf)
+            xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(buf), self.agent.deserialize_descs(descs),
+                                              agent, key.encode())
+            try:
+                state = self.agent.transfer(xfer)
+                while state != "DONE":
+                    if state == "ERR":
+                        raise RuntimeError("NIXL transfer failed (connection closed)")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("deadline passed")
+                    state = self.agent.check_xfer_state(xfer)
+            finally:
+                self.agent.release_xfer_handle(xfer)
         except Exception as exc:
-            raise RefitError(f"NIXL {what} with {self.name(peer)} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+            if "Disconnect" in type(exc).__name__ or "DISCONNECT" in str(exc):
+                exc = RuntimeError(f"connection closed ({type(exc).__name__})")
+            if isinstance(exc, dist.DistStoreError) or "Timeout" in type(exc).__name__:
+                exc = TimeoutError("deadline passed")
+            self._fail(peer, what, exc)
 
     def barrier(self, deadline: float) -> None:
-        key = f"{self.prefix}/nixl/barrier"
+        self.epoch = getattr(self, "epoch", 0) + 1
+        key = f"{self.prefix}/nixl/barrier/{self.epoch}"
+        self._store_set(f"{self.prefix}/arrived/{self.epoch}/{self.rank}", "1")
         self.store.add(key, 1)
-        while int(self.store.add(key, 0)) % self.world:
+        while int(self.store.add(key, 0)) < self.world:
             if time.monotonic() > deadline:
-                raise RefitError("NIXL refit barrier: not every rank arrived before the deadline")
-            time.sleep(0.001)
+                missing = [r for r in range(self.world)
+                           if self._store_get(f"{self.prefix}/arrived/{self.epoch}/{r}") is None]
+                self._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for",
+                           TimeoutError("deadline passed"))
+            time.sleep(0.0005)
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-d uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-def all_names(role_of: List[str]) -> Dict[int, str]:
-    return dict(enumerate(role_of))
+def make_transport(kind: str, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
+                   timeout_s: float, cuda: bool = False):
+    """The refit group's transport: "torch" (NCCL on GPUs, gloo on CPUs) or "nixl"."""
+    if kind == "nixl":
+        return NixlTransport(store, prefix, rank, world, names)
+    if kind != "torch":
+        raise ValueError(f"refit.transport={kind!r}: use torch or nixl")
+    return (TorchP2P.nccl if cuda else TorchP2P.gloo)(store, prefix, rank, world, names, timeout_s)

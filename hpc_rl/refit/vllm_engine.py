@@ -130,7 +130,7 @@ class VLLMGenerator:
 
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
-                domain_of=None, bucket_bytes: int = 64 << 20):
+                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch"):
     """The refit group of `n_trainers` FSDP2 ranks (refit ranks 0..n-1, Shard(0) each) and
     `n_engines` TP-1 vLLM engines (refit ranks n.., each keeping every tensor whole)."""
     from .layout import fsdp2, merge
@@ -141,4 +141,4 @@ def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: 
     dst = merge(*[vllm_tp_layout(specs, [n_trainers + g]) for g in range(n_engines)])
     names = {**{i: f"trainer:{i}" for i in range(n_trainers)}, **{n_trainers + g: f"generator:{g}" for g in range(n_engines)}}
     return RefitSetup(src=src.to_dict(), dst=dst.to_dict(), proc_of={r: r for r in names}, names=names, prefix=prefix,
-                      domain_of=domain_of, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+                      domain_of=domain_of, bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=transport)

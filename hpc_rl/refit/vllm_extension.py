@@ -42,14 +42,14 @@ class RefitWorkerExtension:
         from datetime import timedelta
 
         from hpc_rl.refit.session import RefitEndpoint, RefitSetup
-        from hpc_rl.refit.transport import TorchP2P
+        from hpc_rl.refit.transport import make_transport
 
         t0 = time.perf_counter()
         setup = RefitSetup.from_wire(setup)
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=setup.timeout_s))
         on_gpu = next(self.model_runner.get_model().parameters()).is_cuda
-        make = TorchP2P.nccl if on_gpu else TorchP2P.gloo
-        transport = make(store, setup.prefix, rank, setup.world, setup.names, setup.timeout_s)
+        transport = make_transport(setup.transport, store, setup.prefix, rank, setup.world, setup.names,
+                                   setup.timeout_s, cuda=on_gpu)
         self._hpc_rl_refit = RefitEndpoint(setup, rank, transport, device="cuda" if on_gpu else "cpu")
         self._hpc_rl_version = -1
         return {"join_s": time.perf_counter() - t0, "prepare_s": self._hpc_rl_refit.prepare_s}

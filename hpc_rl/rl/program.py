@@ -164,15 +164,16 @@ class RLProgram:
         if self.is_driver:
             specs = specs_of(self.backend.model.state_dict(), engine_dtype)
             setup = refit_setup(specs, len(self.trainer_ranks), len(self.gen_ranks), f"refit/{self.ident.restart}",
-                                timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20)
+                                timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
+                                transport=cfg.refit.transport)
         setup = share(setup, src=0, group=self.ctx.groups.world)
         self.refit_dtype = getattr(torch, engine_dtype)
         if self.is_trainer:
             from hpc_rl.refit.session import RefitEndpoint
-            from hpc_rl.refit.transport import TorchP2P
+            from hpc_rl.refit.transport import make_transport
 
-            make = TorchP2P.nccl if self.ctx.device.startswith("cuda") else TorchP2P.gloo
-            transport = make(self.ctx.store, setup.prefix, self.ident.role_rank, setup.world, setup.names, setup.timeout_s)
+            transport = make_transport(setup.transport, self.ctx.store, setup.prefix, self.ident.role_rank, setup.world,
+                                       setup.names, setup.timeout_s, cuda=self.ctx.device.startswith("cuda"))
             self.refit_ep = RefitEndpoint(setup, self.ident.role_rank, transport, sources=self._refit_sources())
         elif self.engine is not None:
             from hpc_rl.refit.layout import Layout
