@@ -24,6 +24,7 @@ Writes bench/results/refit.json by default.
 from __future__ import annotations
 
 import argparse
+import gc
 import dataclasses
 import json
 import multiprocessing as mp
@@ -62,7 +63,7 @@ def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wi
 
     from hpc_rl.models.fsdp2 import FSDP2Backend
     from hpc_rl.refit.session import RefitEndpoint, RefitSetup
-    from hpc_rl.refit.transport import TorchP2P
+    from hpc_rl.refit.transport import make_transport
 
     torch.set_num_threads(1)
     fsdp_store = dist.TCPStore("127.0.0.1", fsdp_port, is_master=(rank == 0), timeout=timedelta(seconds=300),
@@ -71,7 +72,7 @@ def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wi
     backend = FSDP2Backend(ckpt, group=dist.group.WORLD, train=False)
     setup = RefitSetup.from_wire(setup_wire)
     store = dist.TCPStore("127.0.0.1", refit_port, is_master=False, timeout=timedelta(seconds=600))
-    transport = TorchP2P.gloo(store, setup.prefix, rank, setup.world, setup.names, setup.timeout_s)
+    transport = make_transport(setup.transport, store, setup.prefix, rank, setup.world, setup.names, setup.timeout_s)
     endpoint = RefitEndpoint(setup, rank, transport, sources={rank: backend.local_shards()})
     mine = [t for _, t in endpoint.sources[rank].values()]
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in mine])  # the raw reference's one message
@@ -97,7 +98,7 @@ def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wi
     dist.destroy_process_group()
 
 
-def run_local(args) -> dict:
+def run_local(args, transport: str = "torch") -> dict:
     import torch.distributed as dist
     from safetensors import safe_open
 
@@ -116,6 +117,8 @@ def run_local(args) -> dict:
             specs[k] = (tuple(t.get_shape()), {"F32": "float32", "BF16": "bfloat16"}[t.get_dtype()])
     setup = refit_setup(specs, 2, 1, PREFIX, timeout_s=120, bucket_bytes=args.bucket_mb << 20)
     setup.direct_min = args.direct_kb << 10
+    setup.transport = transport
+    setup.prefix = f"{PREFIX}/{transport}"
     plan = setup.plan()
     total = sum(t.nbytes for t in plan.transfers)
     port, fsdp_port = _free_port(), _free_port()
@@ -166,10 +169,13 @@ def run_local(args) -> dict:
     gb = gather_broadcast_bytes(Layout.from_dict(setup.dst))
     gather_in = total // 2  # trainer rank 1's half moves to rank 0 before the broadcast
     version = gen.worker_version()
+    del gen  # its engine processes go before the next run starts one
+    gc.collect()
     return {
         "model": {"bytes": total, "tensors": len(specs), "dtype": "float32",
                   "shape": "Llama hidden 512, FFN 1536, 5 layers, 8 heads (built here)"},
-        "layout": "FSDP2 Shard(0) over 2 trainer processes -> 1 vLLM CPU engine (TP 1), gloo",
+        "layout": "FSDP2 Shard(0) over 2 trainer processes -> 1 vLLM CPU engine (TP 1)",
+        "transport": transport + (" (gloo)" if transport == "torch" else " (UCX, DRAM)"),
         "bucket_mb": args.bucket_mb, "direct_kb": args.direct_kb, "trials": args.trials,
         "plan": plan.stats, "join": join,
         "seconds_median": med, "seconds_all": rows,
@@ -202,11 +208,15 @@ def main() -> int:
     ap.add_argument("--direct-kb", type=int, default=64, help="slices from this size travel as their own message")
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--skip-nixl", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "refit.json"))
     args = ap.parse_args()
     doc = {"benchmark": "refit", "machine": f"{os.cpu_count()} CPU cores, no GPU", "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not args.skip_local:
         doc["local"] = run_local(args)
+        if not args.skip_nixl:
+            # the second transport, same model and layout; its raw reference is one NIXL write per pair
+            doc["local_nixl"] = run_local(args, "nixl")
         loc = doc["local"]
         print(f"local: {loc['model']['bytes'] / 1e6:.1f} MB; medians " +
               ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in loc["seconds_median"].items()) +
