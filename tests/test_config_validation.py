@@ -45,6 +45,9 @@ INVALID = [
     (["trainer.parallel.tp=1", "trainer.parallel.cp=32"], "trainer.sequence_parallel", "needs tp > 1"),
     (["algo.async_rollout.enabled=false"], "algo.async_rollout.in_flight_weight_updates", "need asynchronous rollouts"),
     (["trainer.nodez=3"], "trainer.nodez", "did you mean trainer.nodes?"),
+    (["refit.timeout_s=0"], "refit.timeout_s", "a refit without a deadline can hang the job"),
+    (["refit.bucket_mb=0"], "refit.bucket_mb", "must be >= 1"),
+    (["refit.transport=ucx"], "refit.transport", "torch"),
 ]
 
 

@@ -1,0 +1,153 @@
+"""GPU check of the refit path (tests/gpu/refit_check.sh runs it): NCCL, one or more GPUs.
+
+Two processes play trainer (2 FSDP-like Shard(0) ranks' worth of weights in one process
+when the GPU count is 1) and receiver; the plan's walk moves a BF16 model of --gb GB over
+NCCL, every destination tensor is checked against the source bytes, and the script prints
+GB/s for the walk and for one raw NCCL message of the same bytes. With one GPU both
+processes share it; NCCL refuses two ranks of one communicator on the same device
+("Duplicate GPU detected"), and the script says so and exits 3 rather than hang.
+
+    python -m hpc_rl.refit.gpu_check [--gb 2] [--timeout 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import sys
+import time
+from datetime import timedelta
+
+
+def _specs(gb: float):
+    hidden, ffn = 4096, 14336
+    per_layer = 4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden
+    layers = max(1, int(gb * 1e9 / 2 / per_layer))
+    specs = {}
+    for l in range(layers):
+        p = f"model.layers.{l}."
+        for n, shape in [("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (hidden, hidden)),
+                         ("self_attn.v_proj", (hidden, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                         ("mlp.gate_proj", (ffn, hidden)), ("mlp.up_proj", (ffn, hidden)),
+                         ("mlp.down_proj", (hidden, ffn)), ("input_layernorm", (hidden,)),
+                         ("post_attention_layernorm", (hidden,))]:
+            specs[p + n + ".weight"] = (shape, "bfloat16")
+    return specs
+
+
+def _fill(name, shape, device):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+
+
+def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rl.refit.layout import chunk_bounds
+    from hpc_rl.refit.session import RefitEndpoint
+    from hpc_rl.refit.transport import TorchP2P
+    from hpc_rl.refit.vllm_engine import refit_setup
+
+    try:
+        device = f"cuda:{rank % gpus}"
+        torch.cuda.set_device(device)
+        specs = _specs(gb)
+        setup = refit_setup(specs, 2, 1, "refit/gpu", timeout_s=timeout, bucket_bytes=256 << 20)
+        setup.proc_of = {0: 0, 1: 0, 2: 1}  # process 0 holds both trainer shards; process 1 receives
+        setup.names = {0: "trainer", 1: "receiver"}
+        store = dist.TCPStore("127.0.0.1", port, is_master=(rank == 0), timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        transport = TorchP2P.nccl(store, setup.prefix, rank, 2, setup.names, timeout)
+        sources = {}
+        if rank == 0:
+            for r in (0, 1):
+                sources[r] = {}
+                for name, (shape, _) in specs.items():
+                    a, b = chunk_bounds(shape[0], 2)[r]
+                    full = _fill(name, shape, device)
+                    sources[r][name] = ((a,) + (0,) * (len(shape) - 1), full[a:b].contiguous())
+        ep = RefitEndpoint(setup, rank, transport, sources=sources, device=device)
+        nbytes = sum(t.nbytes for t in ep.plan.transfers)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        times, raw = [], []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ep.run(timeout)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            work = transport.backend.send([flat], 1, 0) if rank == 0 else transport.backend.recv([flat], 0, 0)
+            work.wait()
+            torch.cuda.synchronize()
+            raw.append(time.perf_counter() - t0)
+        bad = 0
+        if rank == 1:
+            for name, boxes in ep.walk.holdings.dst[2].items():
+                shape = specs[name][0]
+                bad += int(not torch.equal(boxes[0][1], _fill(name, shape, device)))
+        out.put({"rank": rank, "bytes": nbytes, "walk_s": sorted(times)[1:], "raw_s": sorted(raw)[1:], "bad_tensors": bad})
+    except Exception as exc:  # reported by the parent, with NCCL's own words
+        out.put({"rank": rank, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("refit_check: no CUDA device visible to torch", flush=True)
+        return 2
+    gpus = torch.cuda.device_count()
+    print(f"refit_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_proc, args=(r, port, args.gb, args.timeout, gpus, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + args.timeout + 120
+    while len(results) < 2 and time.monotonic() < deadline:
+        try:
+            r = out.get(timeout=5)
+            results[r["rank"]] = r
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    print(json.dumps(results, indent=1), flush=True)
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        if any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors) and gpus == 1:
+            print("refit_check: NCCL refuses two ranks on one GPU; the NCCL path needs 2 GPUs "
+                  "(colocated trainer and vLLM need CUDA IPC instead)", flush=True)
+            return 3
+        return 1
+    if len(results) < 2:
+        print("refit_check: a process did not report (hung or died)", flush=True)
+        return 1
+    r = results[1]
+    walk, raw = min(r["walk_s"]), min(r["raw_s"])
+    print(f"refit_check: {r['bytes'] / 1e9:.2f} GB; walk {walk * 1e3:.1f} ms = {r['bytes'] / walk / 1e9:.1f} GB/s; "
+          f"raw NCCL {raw * 1e3:.1f} ms = {r['bytes'] / raw / 1e9:.1f} GB/s; efficiency {raw / walk:.2f}; "
+          f"wrong tensors {r['bad_tensors']}", flush=True)
+    return 0 if r["bad_tensors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

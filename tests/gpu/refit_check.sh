@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# GPU check of the refit path: the reshard plan's walk over NCCL between two processes,
+# with the bytes verified and GB/s printed next to one raw NCCL message of the same size.
+# Fits in 5 minutes on one H200. Run from the repository root:  bash tests/gpu/refit_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout 280 python -m hpc_rl.refit.gpu_check --gb "${REFIT_CHECK_GB:-2}" --timeout 120
