@@ -3,7 +3,7 @@
 A tiny Llama (built here) is loaded by the trainer (FSDP2 backend, fp32) and by a vLLM
 CPU engine. The trainer takes one optimizer step, so the engine's weights are stale; we
 measure token_mult_prob_error = mean exp|logprob_vLLM - logprob_trainer| over sampled
-tokens before the refit, refit (full state over gloo into the live engine), and measure
+tokens before the refit, refit (along the reshard plan over gloo into the live engine), and measure
 again. Goals (issue: RL core): <= 1.001 with vLLM in fp32, <= 1.01 in bf16.
 
     python bench/logprob_agreement.py [--precisions fp32,bf16] [--out PATH]
@@ -89,7 +89,7 @@ def main() -> int:
             start_s = time.perf_counter() - t0
             prompts = gen.chat_prompts(prompts_raw)
             before = measure(gen, trainer, prompts)
-            timing = refit_in_process(gen, store, port, state, version=1, prefix=f"refit{k}")
+            timing, _ = refit_in_process(gen, store, port, state, version=1, prefix=f"refit{k}")
             after = measure(gen, trainer, prompts)
             results.append({"vllm_precision": precision, "trainer_precision": "fp32", "engine_start_s": start_s,
                             "before_refit": before, "after_refit": after, "goal": goals.get(precision),

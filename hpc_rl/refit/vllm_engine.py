@@ -142,3 +142,48 @@ def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: 
     names = {**{i: f"trainer:{i}" for i in range(n_trainers)}, **{n_trainers + g: f"generator:{g}" for g in range(n_engines)}}
     return RefitSetup(src=src.to_dict(), dst=dst.to_dict(), proc_of={r: r for r in names}, names=names, prefix=prefix,
                       domain_of=domain_of, bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=transport)
+
+
+def refit_in_process(generator: VLLMGenerator, store, port: int, state, version: int, prefix: str,
+                     timeout_s: float = 120.0, endpoint=None):
+    """Trainer and generator in one process (tests, benchmarks): the whole `state` (one
+    unsharded trainer rank) goes to the engine along the plan. Returns (timings, endpoint);
+    pass the endpoint back to reuse the joined group for the next refit."""
+    import threading
+    import time
+
+    from .session import RefitEndpoint, whole_tensor_sources
+    from .transport import TorchP2P
+    from .vllm_layout import specs_of
+
+    t0 = time.perf_counter()
+    cast = whole_tensor_sources({k: v.to(getattr(torch, generator.dtype_name)) for k, v in state.items()}, 0)
+    if endpoint is None:
+        setup = refit_setup(specs_of(state, generator.dtype_name), 1, 1, prefix, timeout_s=timeout_s)
+        joined = []
+        joiner = threading.Thread(target=lambda: joined.append(generator.join_refit(setup, 1, "127.0.0.1", port)))
+        joiner.start()
+        transport = TorchP2P.gloo(store, setup.prefix, 0, setup.world, setup.names, setup.timeout_s)
+        joiner.join()
+        if not joined:
+            raise RuntimeError("the vLLM worker did not join the refit group (see the engine's log)")
+        endpoint = RefitEndpoint(setup, 0, transport, sources=cast)
+    else:
+        endpoint.set_sources(cast)
+    t1 = time.perf_counter()
+    result, errors = [], []
+
+    def receive():
+        try:
+            result.append(generator.refit(version, timeout_s))
+        except BaseException as exc:  # surfaced below, after the sender is done
+            errors.append(exc)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    stats = endpoint.run(timeout_s)
+    receiver.join()
+    if errors:
+        raise errors[0]
+    return {"join_s": t1 - t0, "send_s": stats.seconds, "refit_s": time.perf_counter() - t1,
+            "engine": result[0]}, endpoint
