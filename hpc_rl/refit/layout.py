@@ -12,6 +12,7 @@ parallel ranks, layers over pipeline stages, and replicas (data parallel copies)
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -186,24 +187,15 @@ def coverage_problems(t: TensorLayout) -> List[str]:
     index = [{v: i for i, v in enumerate(c)} for c in cuts]
     for p in t.pieces:
         ranges = [range(index[d][p.start[d]], index[d][p.stop[d]]) for d in range(nd)]
-        covered.update(_product(ranges))
+        covered.update(itertools.product(*ranges))
     total = 1
     for c in cuts:
         total *= len(c) - 1
     if len(covered) != total:
-        missing = next(cell for cell in _product([range(len(c) - 1) for c in cuts]) if cell not in covered)
+        missing = next(cell for cell in itertools.product(*[range(len(c) - 1) for c in cuts]) if cell not in covered)
         lo = tuple(cuts[d][i] for d, i in enumerate(missing))
         problems.append(f"no rank holds the elements from {lo} (cell of the layout's grid); the layout does not cover the tensor")
     return problems
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i,) + rest
 
 
 def check_pair(src: Layout, dst: Layout) -> None:

@@ -18,12 +18,13 @@ are merged back into boxes where they line up.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from .layout import Layout, Piece, TensorLayout, _product, check_pair
+from .layout import Layout, Piece, TensorLayout, check_pair
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _cells_of(src: TensorLayout, dst: TensorLayout):
     needers: Dict[tuple, List[int]] = defaultdict(list)
     for table, plist in ((holders, src.pieces), (needers, dst.pieces)):
         for p in plist:
-            for cell in _product([range(index[d][p.start[d]], index[d][p.stop[d]]) for d in range(nd)]):
+            for cell in itertools.product(*[range(index[d][p.start[d]], index[d][p.stop[d]]) for d in range(nd)]):
                 if p.rank not in table[cell]:
                     table[cell].append(p.rank)
     return cuts, holders, needers

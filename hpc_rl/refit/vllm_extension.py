@@ -46,6 +46,13 @@ class RefitWorkerExtension:
 
         t0 = time.perf_counter()
         setup = RefitSetup.from_wire(setup)
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            # The receiver hands vLLM's loaders whole HF tensors, which is what a TP-1 engine
+            # keeps. A TP>1 engine would take its slices through the fused targets
+            # (vllm_layout.fused_targets) with pre-sharded loading: not built yet.
+            raise RuntimeError(f"refit into a vLLM engine of tensor parallel {tp} is not supported yet; "
+                               f"run generator.parallel.tp=1 engines (one engine per GPU)")
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=setup.timeout_s))
         on_gpu = next(self.model_runner.get_model().parameters()).is_cuda
         transport = make_transport(setup.transport, store, setup.prefix, rank, setup.world, setup.names,
