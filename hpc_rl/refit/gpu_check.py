@@ -1,11 +1,12 @@
-"""GPU check of the refit path (tests/gpu/refit_check.sh runs it): NCCL, one or more GPUs.
+"""GPU check of the refit path (tests/gpu/refit_check.sh runs it).
 
-Two processes play trainer (2 FSDP-like Shard(0) ranks' worth of weights in one process
-when the GPU count is 1) and receiver; the plan's walk moves a BF16 model of --gb GB over
-NCCL, every destination tensor is checked against the source bytes, and the script prints
-GB/s for the walk and for one raw NCCL message of the same bytes. With one GPU both
-processes share it; NCCL refuses two ranks of one communicator on the same device
-("Duplicate GPU detected"), and the script says so and exits 3 rather than hang.
+Two processes: one plays the trainer (two Shard(0) ranks' worth of weights), the other the
+receiver. The plan's walk moves a BF16 model of --gb GB, every destination tensor is
+checked against the source bytes, and the script prints GB/s for the walk and for one raw
+message of the same bytes on the same transport. With two or more GPUs the processes sit on
+different GPUs and talk NCCL. With one GPU they share it; NCCL refuses two ranks of one
+communicator on one device, so the colocated path (CUDA IPC handles) is used instead;
+--transport forces a choice.
 
     python -m hpc_rl.refit.gpu_check [--gb 2] [--timeout 120]
 """
@@ -44,13 +45,13 @@ def _fill(name, shape, device):
     return torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
 
 
-def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, out) -> None:
+def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, kind: str, out) -> None:
     import torch
     import torch.distributed as dist
 
     from hpc_rl.refit.layout import chunk_bounds
     from hpc_rl.refit.session import RefitEndpoint
-    from hpc_rl.refit.transport import TorchP2P
+    from hpc_rl.refit.transport import make_transport
     from hpc_rl.refit.vllm_engine import refit_setup
 
     try:
@@ -62,7 +63,7 @@ def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, out) -> No
         setup.names = {0: "trainer", 1: "receiver"}
         store = dist.TCPStore("127.0.0.1", port, is_master=(rank == 0), timeout=timedelta(seconds=timeout),
                               wait_for_workers=False)
-        transport = TorchP2P.nccl(store, setup.prefix, rank, 2, setup.names, timeout)
+        transport = make_transport(kind, store, setup.prefix, rank, 2, setup.names, timeout, cuda=True)
         sources = {}
         if rank == 0:
             for r in (0, 1):
@@ -82,8 +83,8 @@ def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, out) -> No
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            work = transport.backend.send([flat], 1, 0) if rank == 0 else transport.backend.recv([flat], 0, 0)
-            work.wait()
+            handle = transport.send(flat, 1, 0) if rank == 0 else transport.recv(flat, 0, 0)
+            transport.wait(handle, 1 - rank, time.monotonic() + timeout, "the raw message with")
             torch.cuda.synchronize()
             raw.append(time.perf_counter() - t0)
         bad = 0
@@ -100,6 +101,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--transport", choices=["auto", "torch", "cuda_ipc"], default="auto")
     args = ap.parse_args()
     import torch
 
@@ -109,12 +111,15 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     print(f"refit_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    kind = args.transport if args.transport != "auto" else ("torch" if gpus >= 2 else "cuda_ipc")
+    print(f"refit_check: transport {kind} ({'NCCL' if kind == 'torch' else 'CUDA IPC, both processes on GPU 0'})",
+          flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_proc, args=(r, port, args.gb, args.timeout, gpus, out)) for r in range(2)]
+    procs = [ctx.Process(target=_proc, args=(r, port, args.gb, args.timeout, gpus, kind, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -134,8 +139,7 @@ def main() -> int:
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         if any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors) and gpus == 1:
-            print("refit_check: NCCL refuses two ranks on one GPU; the NCCL path needs 2 GPUs "
-                  "(colocated trainer and vLLM need CUDA IPC instead)", flush=True)
+            print("refit_check: NCCL refuses two ranks on one GPU; rerun with --transport cuda_ipc", flush=True)
             return 3
         return 1
     if len(results) < 2:
@@ -144,7 +148,7 @@ def main() -> int:
     r = results[1]
     walk, raw = min(r["walk_s"]), min(r["raw_s"])
     print(f"refit_check: {r['bytes'] / 1e9:.2f} GB; walk {walk * 1e3:.1f} ms = {r['bytes'] / walk / 1e9:.1f} GB/s; "
-          f"raw NCCL {raw * 1e3:.1f} ms = {r['bytes'] / raw / 1e9:.1f} GB/s; efficiency {raw / walk:.2f}; "
+          f"raw {kind} {raw * 1e3:.1f} ms = {r['bytes'] / raw / 1e9:.1f} GB/s; efficiency {raw / walk:.2f}; "
           f"wrong tensors {r['bad_tensors']}", flush=True)
     return 0 if r["bad_tensors"] == 0 else 1
 

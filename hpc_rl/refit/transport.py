@@ -274,24 +274,83 @@ class NixlTransport(_Named):
             self._fail(peer, what, exc)
 
     def barrier(self, deadline: float) -> None:
-        self.epoch = getattr(self, "epoch", 0) + 1
-        key = f"{self.prefix}/nixl/barrier/{self.epoch}"
-        self._store_set(f"{self.prefix}/arrived/{self.epoch}/{self.rank}", "1")
-        self.store.add(key, 1)
-        while int(self.store.add(key, 0)) < self.world:
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world)
-                           if self._store_get(f"{self.prefix}/arrived/{self.epoch}/{r}") is None]
-                self._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for",
-                           TimeoutError("deadline passed"))
-            time.sleep(0.0005)
+        _store_barrier(self, deadline)
+
+
+class CudaIpcTransport(_Named):
+    """Peers on the same GPU (a colocated trainer and vLLM engine), where NCCL refuses two
+    ranks of one communicator: the sender publishes a CUDA IPC handle of its buffer in the
+    store, the receiver maps it and copies device to device, then acknowledges so the
+    sender may reuse the buffer. Unverified: written for GPUs, none was lent yet."""
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str]):
+        self.store, self.prefix, self.rank, self.world, self.names = store, prefix, rank, world, names
+        self._seq: Dict[tuple, int] = {}
+        self.cuda = True
+
+    def _key(self, src: int, dst: int, tag: int) -> str:
+        n = self._seq.get((src, dst, tag), 0)
+        self._seq[(src, dst, tag)] = n + 1
+        return f"{self.prefix}/ipc/{src}-{dst}/{tag}/{n}"
+
+    def send(self, buf: torch.Tensor, peer: int, tag: int):
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        key = self._key(self.rank, peer, tag)
+        torch.cuda.current_stream().synchronize()  # the bytes are in place before the peer reads them
+        self.store.set(key, pickle.dumps(reduce_tensor(buf)))
+        return ("send", key, buf)
+
+    def recv(self, buf: torch.Tensor, peer: int, tag: int):
+        return ("recv", self._key(peer, self.rank, tag), buf)
+
+    def wait(self, handle, peer: int, deadline: float, what: str) -> None:
+        import pickle
+
+        kind, key, buf = handle
+        try:
+            left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            if kind == "recv":
+                self.store.wait([key], left)
+                rebuild, args = pickle.loads(self.store.get(key))
+                buf.copy_(rebuild(*args))
+                torch.cuda.current_stream().synchronize()
+                self.store.set(key + "/done", "1")
+            else:
+                self.store.wait([key + "/done"], left)
+        except Exception as exc:
+            if isinstance(exc, dist.DistStoreError) or "Timeout" in type(exc).__name__ or "timed out" in str(exc).lower():
+                exc = TimeoutError("deadline passed")
+            self._fail(peer, what, exc)
+
+    def barrier(self, deadline: float) -> None:
+        _store_barrier(self, deadline)
+
+
+def _store_barrier(t: "_Named", deadline: float) -> None:
+    """A barrier through the store (transports without collectives), naming who is missing."""
+    t.epoch = getattr(t, "epoch", 0) + 1
+    key = f"{t.prefix}/store_barrier/{t.epoch}"
+    t._store_set(f"{t.prefix}/arrived/{t.epoch}/{t.rank}", "1")
+    t.store.add(key, 1)
+    while int(t.store.add(key, 0)) < t.world:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(t.world) if t._store_get(f"{t.prefix}/arrived/{t.epoch}/{r}") is None]
+            t._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for",
+                    TimeoutError("deadline passed"))
+        time.sleep(0.0005)
 
 
 def make_transport(kind: str, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
                    timeout_s: float, cuda: bool = False):
-    """The refit group's transport: "torch" (NCCL on GPUs, gloo on CPUs) or "nixl"."""
+    """The refit group's transport: "torch" (NCCL on GPUs, gloo on CPUs), "nixl", or
+    "cuda_ipc" (every peer on the same GPU)."""
     if kind == "nixl":
         return NixlTransport(store, prefix, rank, world, names)
+    if kind == "cuda_ipc":
+        return CudaIpcTransport(store, prefix, rank, world, names)
     if kind != "torch":
-        raise ValueError(f"refit.transport={kind!r}: use torch or nixl")
+        raise ValueError(f"refit.transport={kind!r}: use torch, nixl or cuda_ipc")
     return (TorchP2P.nccl if cuda else TorchP2P.gloo)(store, prefix, rank, world, names, timeout_s)

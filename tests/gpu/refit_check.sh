@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of the refit path: the reshard plan's walk over NCCL between two processes,
-# with the bytes verified and GB/s printed next to one raw NCCL message of the same size.
+# GPU check of the refit path: the reshard plan's walk between two processes (NCCL across
+# GPUs, CUDA IPC when both share one GPU), with the bytes verified and GB/s printed next to
+# one raw message of the same size on the same transport.
 # Fits in 5 minutes on one H200. Run from the repository root:  bash tests/gpu/refit_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
