@@ -165,7 +165,11 @@ class RLProgram:
             specs = specs_of(self.backend.model.state_dict(), engine_dtype)
             setup = refit_setup(specs, len(self.trainer_ranks), len(self.gen_ranks), f"refit/{self.ident.restart}",
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
-                                transport=cfg.refit.transport)
+                                transport=cfg.refit.transport, domain_of=self._refit_domains())
+            stats = setup.plan().stats
+            self.log.info("refit plan: %d transfers in %d buckets, %.1f MB (%s)", stats["transfers"], stats["buckets"],
+                          stats["bytes"] / 1e6, "domains from the placement" if setup.domain_of else
+                          "no domain map: every rank its own")
         setup = share(setup, src=0, group=self.ctx.groups.world)
         self.refit_dtype = getattr(torch, engine_dtype)
         if self.is_trainer:
@@ -182,6 +186,25 @@ class RLProgram:
                                 self.engine.params())
             self.engine.join_refit(setup, len(self.trainer_ranks) + self.ident.role_rank, self.ctx.store_addr,
                                    self.ctx.store_port)
+
+    def _refit_domains(self) -> Optional[Dict[int, str]]:
+        """Refit layout rank -> NVLink domain, from the placement made at rendezvous (trainer
+        ranks first, then one rank per engine); None when the placement has no domains."""
+        placement = getattr(self.ctx, "placement", None)
+        if placement is None or not getattr(placement, "roles", None):
+            return None
+        ranks = [(self.trainer_role, i) for i in range(len(self.trainer_ranks))] + \
+                [("generator", g) for g in range(len(self.gen_ranks))]
+        out: Dict[int, str] = {}
+        for layout_rank, (role, role_rank) in enumerate(ranks):
+            rp = placement.roles.get(role)
+            if rp is None:
+                return None
+            segment = (role_rank // self.plan.role(role).tasks_per_node) // rp.segment_size
+            if segment >= len(rp.segment_domains):
+                return None
+            out[layout_rank] = rp.segment_domains[segment]
+        return out
 
     def _refit_sources(self):
         """This trainer rank's shards in the engine's dtype, under its refit rank: the live
