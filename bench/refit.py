@@ -33,7 +33,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path

@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from hpc_rl.refit.cost import GB200, H100, Links, _g, deepseek_v3_groups, plan_scale, predict, scale_report, to_layouts
+from hpc_rl.refit.cost import GB200, Links, _g, deepseek_v3_groups, plan_scale, predict, scale_report, to_layouts
 from hpc_rl.refit.layout import chunk_bounds
 from hpc_rl.refit.planner import plan_refit
 

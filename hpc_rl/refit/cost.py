@@ -23,7 +23,7 @@ lower bound. It covers moving the bytes; each engine's weight processing comes o
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -247,7 +247,6 @@ def deepseek_v3_groups(links: Links, tp: int = 32, dp: int = 8, pp: int = 16, ep
     stage_of = np.repeat(np.arange(pp), per)
     stage_ranks = np.arange(n_src).reshape(pp, ep)  # [stage, ep]
     dst_first = n_src
-    d_col = lambda rows: chunk_bounds(rows, tp)
     groups: List[Group] = []
 
     def dense(label, shape, layers, dst_dim, dst_bounds=None):
@@ -323,7 +322,6 @@ def ultra_groups(links: Links) -> Tuple[List[Group], dict]:
     # dense: trainer rank = cp_rank * tp + tp_rank; part p on ranks {c * tp + p}
     src_tp = np.array([[c * tp + p for c in range(cp)] for p in range(tp)])  # [tp parts, cp replicas]
     dst_tp = _tp_dst(dst_first, inst_tp, n_inst)
-    layers = np.arange(L)
 
     def tp_dense(label, shape, src_dim, dst_dim, count, src_bounds=None, dst_bounds=None):
         src = np.broadcast_to(src_tp, (count,) + src_tp.shape) if src_dim is not None else \

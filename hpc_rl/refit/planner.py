@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from .layout import Layout, Piece, TensorLayout, check_pair
+from .layout import Layout, TensorLayout, check_pair
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Dict, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist

@@ -150,7 +150,6 @@ def refit_in_process(generator: VLLMGenerator, store, port: int, state, version:
     unsharded trainer rank) goes to the engine along the plan. Returns (timings, endpoint);
     pass the endpoint back to reuse the joined group for the next refit."""
     import threading
-    import time
 
     from .session import RefitEndpoint, whole_tensor_sources
     from .transport import TorchP2P

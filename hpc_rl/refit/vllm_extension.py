@@ -37,7 +37,6 @@ class RefitWorkerExtension:
         return out
 
     def hpc_rl_join(self, setup, rank: int, host: str, port: int) -> Dict[str, float]:
-        import torch
         import torch.distributed as dist
         from datetime import timedelta
 
