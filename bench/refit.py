@@ -56,7 +56,7 @@ def build_checkpoint(path: Path) -> None:
     save_untrained(path, ModelSpec(hidden=512, intermediate=1536, layers=5, heads=8, max_positions=256), seed=0)
 
 
-def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wire: dict, trials: int, log_q) -> None:
+def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wire: dict) -> None:
     import torch
     import torch.distributed as dist
 
@@ -123,8 +123,7 @@ def run_local(args, transport: str = "torch") -> dict:
     port, fsdp_port = _free_port(), _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=600), wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    trainers = [ctx.Process(target=trainer_proc, args=(r, str(ckpt), fsdp_port, port, setup.to_wire(), args.trials, q))
+    trainers = [ctx.Process(target=trainer_proc, args=(r, str(ckpt), fsdp_port, port, setup.to_wire()))
                 for r in range(2)]
     for p in trainers:
         p.start()

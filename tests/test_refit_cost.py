@@ -13,7 +13,7 @@ from hpc_rl.refit.cost import GB200, Links, _g, deepseek_v3_groups, plan_scale, 
 from hpc_rl.refit.layout import chunk_bounds
 from hpc_rl.refit.planner import plan_refit
 
-TINY_LINKS = Links("test links", nvlink_GBps=100.0, ib_GBps=10.0, gpus_per_node=2)
+TINY_LINKS = Links("test links", nvlink_GBps=100.0, ib_GBps=10.0, gpus_per_domain=2)
 
 
 def _small_groups():

@@ -37,11 +37,12 @@ class Links:
     name: str
     nvlink_GBps: float  # per GPU per direction, inside an NVLink domain
     ib_GBps: float  # per GPU per direction, between domains
-    gpus_per_node: int
+    gpus_per_domain: int  # GPUs a job uses in one NVLink domain
 
 
+# A GB200 NVL72 rack: 16 of its 18 compute trays are used (the placement keeps 2 spare), 4 GPUs each
 GB200 = Links("GB200 NVL72 (NVLink 900 GB/s per GPU per direction in a rack, IB 50 GB/s per GPU between racks)",
-              900.0, 50.0, 4)
+              900.0, 50.0, 64)
 H100 = Links("H100 (NVLink 450 GB/s per GPU per direction in a node, IB 50 GB/s per GPU between nodes)", 450.0, 50.0, 8)
 
 
@@ -295,10 +296,10 @@ def deepseek_v3_groups(links: Links, tp: int = 32, dp: int = 8, pp: int = 16, ep
     return groups, meta
 
 
-def _domains(n_src: int, n_dst: int, links: Links, gpus_per_domain: Optional[int] = None) -> np.ndarray:
-    """Ranks in order, trainer first then vLLM, filling whole domains: a GB200 rack's 16
-    usable nodes (64 GPUs), an H100 node's 8 GPUs. The two sides never share a domain."""
-    per = gpus_per_domain or (64 if links is GB200 else links.gpus_per_node)
+def _domains(n_src: int, n_dst: int, links: Links) -> np.ndarray:
+    """Ranks in order, trainer first then vLLM, filling whole domains (a GB200 rack's 64
+    used GPUs, an H100 node's 8). The two sides never share a domain."""
+    per = links.gpus_per_domain
     src = np.arange(n_src) // per
     dst = src.max() + 1 + np.arange(n_dst) // per
     return np.concatenate([src, dst])

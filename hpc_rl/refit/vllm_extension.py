@@ -66,52 +66,48 @@ class RefitWorkerExtension:
         `load=False` only receives (the benchmark's transfer-only timing); `ready_key` is
         set in the store once the receives are posted (benchmarks start the senders on it,
         as they do for the raw reference)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                       initialize_layerwise_reload)
-
         endpoint = self._hpc_rl_refit
-        model = self.model_runner.get_model()
         t0 = time.perf_counter()
         signal = (lambda: endpoint.transport.store.set(ready_key, "1")) if ready_key else None
         stream = endpoint.stream(timeout_s, on_posted=signal)
-        finalize_s = init_s = 0.0
+        phases = {"init_s": 0.0, "finalize_s": 0.0}
         if load:
             # TP 1: every piece is a whole HF tensor, which vLLM's loaders take by its HF name
-            with set_current_vllm_config(self.vllm_config):
-                t_init = time.perf_counter()
-                initialize_layerwise_reload(model)
-                init_s = time.perf_counter() - t_init
-                model.load_weights((name, tensor) for _rank, name, _start, tensor in stream)
-                t_loaded = time.perf_counter()
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
-                finalize_s = time.perf_counter() - t_loaded
+            phases = self._hpc_rl_load((name, tensor) for _rank, name, _start, tensor in stream)
         else:
             for _ in stream:
                 pass
         stats = endpoint.finish()
         if load:
             self._hpc_rl_version = version
-        return {"version": self.hpc_rl_version(), "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s, "load_in_stream_s": stats.consumer_s, "finalize_s": finalize_s,
-                "init_s": init_s, "stream_s": stats.seconds, "post_s": stats.post_s, "unpack_s": stats.unpack_s,
+        return {"version": self.hpc_rl_version(), "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s, "load_in_stream_s": stats.consumer_s, **phases, "stream_s": stats.seconds, "post_s": stats.post_s, "unpack_s": stats.unpack_s,
                 "bytes": stats.bytes_received, "messages": stats.messages}
 
     def hpc_rl_load_local(self) -> Dict[str, float]:
         """Load the tensors of the last refit again from this worker's memory: what vLLM's
         weight processing alone costs (the benchmark's reference)."""
+        pieces = [(name, boxes[0][1]) for _rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
+                  for name, boxes in tensors.items()]
+        t0 = time.perf_counter()
+        self._hpc_rl_load(iter(pieces))
+        return {"load_s": time.perf_counter() - t0}
+
+    def _hpc_rl_load(self, weights) -> Dict[str, float]:
+        """Load (HF name, tensor) pairs into the live model between vLLM's layerwise-reload
+        hooks (CPU kernels repack weights; a bare load_weights would corrupt them)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
 
         model = self.model_runner.get_model()
-        pieces = [(name, boxes[0][1]) for _rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
-                  for name, boxes in tensors.items()]
-        t0 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
+            t0 = time.perf_counter()
             initialize_layerwise_reload(model)
-            model.load_weights(iter(pieces))
+            t1 = time.perf_counter()
+            model.load_weights(weights)
+            t2 = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
-        return {"load_s": time.perf_counter() - t0}
+        return {"init_s": t1 - t0, "finalize_s": time.perf_counter() - t2}
 
     def hpc_rl_raw_receive(self, sizes: Dict[int, int], timeout_s: float, ready_key: str) -> Dict[str, float]:
         """The benchmark's reference: one flat message of `sizes[peer]` bytes from each peer,

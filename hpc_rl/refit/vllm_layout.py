@@ -51,11 +51,15 @@ VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before spli
 _VOCAB = re.compile(r"(embed_tokens|lm_head)\.weight$")
 
 
+def padded_rows_per_rank(vocab: int, tp: int) -> int:
+    """Rows of the vocabulary each TP rank of vLLM holds, padding included."""
+    return -(-(-(-vocab // VOCAB_PADDING) * VOCAB_PADDING) // tp)
+
+
 def vocab_bounds(vocab: int, tp: int) -> List[Tuple[int, int]]:
     """vLLM's vocabulary split: the padded vocabulary in equal parts, clipped to the real
     rows (the padding rows exist only on the engine)."""
-    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    per = -(-padded // tp)
+    per = padded_rows_per_rank(vocab, tp)
     return [(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(tp)]
 
 
@@ -118,7 +122,7 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
             dim = megatron_tp_dim(name)
             local = list(shape)
             if _VOCAB.search(name):  # the engine's rows include the padding
-                local[0] = -(-(-(-shape[0] // VOCAB_PADDING) * VOCAB_PADDING) // tp_size)
+                local[0] = padded_rows_per_rank(shape[0], tp_size)
             elif dim is not None:
                 a, b = chunk_bounds(shape[dim], tp_size)[0]
                 local[dim] = b - a

@@ -166,10 +166,6 @@ class RLProgram:
             setup = refit_setup(specs, len(self.trainer_ranks), len(self.gen_ranks), f"refit/{self.ident.restart}",
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=self._refit_domains())
-            stats = setup.plan().stats
-            self.log.info("refit plan: %d transfers in %d buckets, %.1f MB (%s)", stats["transfers"], stats["buckets"],
-                          stats["bytes"] / 1e6, "domains from the placement" if setup.domain_of else
-                          "no domain map: every rank its own")
         setup = share(setup, src=0, group=self.ctx.groups.world)
         self.refit_dtype = getattr(torch, engine_dtype)
         if self.is_trainer:
@@ -179,6 +175,11 @@ class RLProgram:
             transport = make_transport(setup.transport, self.ctx.store, setup.prefix, self.ident.role_rank, setup.world,
                                        setup.names, setup.timeout_s, cuda=self.ctx.device.startswith("cuda"))
             self.refit_ep = RefitEndpoint(setup, self.ident.role_rank, transport, sources=self._refit_sources())
+            if self.is_driver:
+                stats = self.refit_ep.plan.stats
+                self.log.info("refit plan: %d transfers in %d buckets, %.1f MB (%s)", stats["transfers"],
+                              stats["buckets"], stats["bytes"] / 1e6, "domains from the placement" if setup.domain_of
+                              else "no domain map: every rank its own")
         elif self.engine is not None:
             from hpc_rl.refit.layout import Layout
 
