@@ -48,6 +48,7 @@ INVALID = [
     (["refit.timeout_s=0"], "refit.timeout_s", "a refit without a deadline can hang the job"),
     (["refit.bucket_mb=0"], "refit.bucket_mb", "must be >= 1"),
     (["refit.transport=ucx"], "refit.transport", "torch"),
+    (["ft.inject_failure=trainer:0:stall@4"], "ft.inject_failure", "stall<seconds>"),
 ]
 
 
@@ -79,6 +80,14 @@ def test_valid_overrides_compose():
     assert cfg.trainer.nodes == 32
     # a smaller EP that still tiles the trainer and sits inside a rack is fine on GB200
     assert load_config(ULTRA + ["trainer.parallel.ep=32"]).trainer.parallel.ep == 32
+
+
+def test_injection_specs_parse():
+    from hpc_rl.runtime.faults import Injection, parse_injection
+
+    assert parse_injection("trainer:0:stall12@4") == Injection("trainer", 0, "stall", 12, 4)
+    assert parse_injection("teacher/general:1:kill@save4") == Injection("teacher/general", 1, "kill", 0, "save4")
+    assert parse_injection("generator:0") == Injection("generator", 0, "raise", 0, None)
 
 
 def test_strict_routing_needs_no_default():

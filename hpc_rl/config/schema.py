@@ -289,7 +289,8 @@ class FaultConfig:
 
     # "<role>:<rank>[:<how>]", e.g. "generator:0" or "teacher/general:0:freeze". how: raise
     # (default, at start-up), freeze (SIGSTOP itself: a hung node, only heartbeats see it),
-    # kill (SIGKILL itself), each optionally at a step: "generator:0:kill@3".
+    # kill (SIGKILL itself), hang (blocks, beating), stall<N> (sleeps N s: a straggler), each
+    # optionally at a step: "generator:0:kill@3". See hpc_rl/runtime/faults.py.
     inject_failure: Optional[str] = None
     # Dead ranks: every rank beats through the rendezvous store; one silent this long is dead
     # and every other rank exits (0 turns heartbeats off).

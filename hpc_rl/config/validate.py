@@ -325,7 +325,7 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         except ValueError:
             bad = True
         if bad:
-            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank>[:raise|freeze|kill|hang][@step|@save<step>] naming a role of this job",
+            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@save<step>] naming a role of this job",
                                  f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
     ft = cfg.ft
     if ft.heartbeat_timeout_s < 0 or (ft.heartbeat_timeout_s > 0 and ft.heartbeat_interval_s <= 0):

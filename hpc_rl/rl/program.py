@@ -461,7 +461,8 @@ class RLProgram:
             self.log.warning("stopping after step %d for a requeue (%s); checkpoint on disk %.2fs after the request",
                              done_step, why, time.time() - t0)
             (self.ctx.run_dir / STOPPED.format(restart=self.ident.restart)).write_text(
-                json.dumps({"step": done_step, "saved": self._last_saved == done_step, "time": time.time()}) + "\n")
+                json.dumps({"step": done_step, "saved": self._last_saved == done_step, "time": time.time(),
+                            "save_s": time.time() - t0}) + "\n")
         self.ctx.finish()
         dist.barrier(group=self.ctx.groups.world)
         return {"role": self.role, "rank": self.ident.role_rank, "stopped_after": done_step}

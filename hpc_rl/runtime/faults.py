@@ -2,8 +2,10 @@
 
 "<role>:<rank>[:<how>][@<step>]": how is raise (an exception, the default), freeze
 (SIGSTOP the process: a hung node that only heartbeats can notice), kill (SIGKILL:
-a crashed process) or hang (the main thread blocks forever while heartbeats go on: a
-stuck collective, which only the progress watchdog notices). Without @step it fires at start-up, after rendezvous; with it, at the
+a crashed process), hang (the main thread blocks forever while heartbeats go on: a
+stuck collective, which only the progress watchdog notices) or stall<N> (the rank sleeps
+N seconds, then goes on: a straggler; the drills use it to land a signal inside a step,
+however fast the machine runs the steps). Without @step it fires at start-up, after rendezvous; with it, at the
 start of that training step; with @save<N>, inside the checkpoint save of step N, after the
 shards are written and before the save is published. It fires on the first run only (restart 0), so a requeued
 job recovers instead of failing again.
@@ -12,12 +14,14 @@ job recovers instead of failing again.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
-HOWS = ("raise", "freeze", "kill", "hang")
+HOWS = ("raise", "freeze", "kill", "hang", "stall<seconds>")
+_HOW = re.compile(r"raise|freeze|kill|hang|stall(\d+)")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class Injection:
     role: str
     rank: int
     how: str = "raise"
+    stall_s: int = 0  # how == "stall": seconds the rank sleeps
     step: Union[None, int, str] = None  # a training step, or "save<N>": inside the save of step N
 
 
@@ -32,11 +37,13 @@ def parse_injection(spec: str) -> Injection:
     """Raises ValueError saying what is wrong."""
     body, _, step = spec.partition("@")
     parts = body.split(":")
-    how = "raise"
-    if len(parts) >= 3 and parts[-1] in HOWS:
-        how = parts.pop()
+    how, stall_s = "raise", 0
+    m = _HOW.fullmatch(parts[-1]) if len(parts) >= 3 else None
+    if m:
+        parts.pop()
+        how, stall_s = ("stall", int(m.group(1))) if m.group(1) else (m.group(0), 0)
     if len(parts) < 2 or not parts[-1].isdigit():
-        raise ValueError("expected <role>:<rank>[:raise|freeze|kill][@step]")
+        raise ValueError("expected <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step]")
     at: Union[None, int, str] = None
     if step:
         if step.isdigit():
@@ -45,7 +52,7 @@ def parse_injection(spec: str) -> Injection:
             at = step
         else:
             raise ValueError(f"@{step}: expected a step number or save<step>")
-    return Injection(":".join(parts[:-1]), int(parts[-1]), how, at)
+    return Injection(":".join(parts[:-1]), int(parts[-1]), how, stall_s, at)
 
 
 def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, step: Union[None, int, str] = None) -> None:
@@ -62,6 +69,10 @@ def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, s
         print(f"hpc_rl: injected failure: hang on {where} (ft.inject_failure={spec})", flush=True)
         while True:
             time.sleep(3600)
+    if inj.how == "stall":
+        print(f"hpc_rl: injected failure: {where} stalls for {inj.stall_s}s (ft.inject_failure={spec})", flush=True)
+        time.sleep(inj.stall_s)
+        return
     if inj.how == "freeze":
         print(f"hpc_rl: injected failure: SIGSTOP on {where} (ft.inject_failure={spec})", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)

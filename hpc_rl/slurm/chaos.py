@@ -64,11 +64,12 @@ def steps_done(run_dir: Path) -> int:
     return sum(1 for line in p.read_text().splitlines() if '"kind": "step"' in line)
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5) -> float:
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5,
+             explain: Optional[Callable[[], str]] = None) -> float:
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}" + (f"\n{explain()}" if explain else ""))
         time.sleep(poll_s)
     return time.monotonic() - t0
 
@@ -98,7 +99,7 @@ def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = T
         else:
             held_since = None
         time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} still in the queue after {timeout_s:.0f}s")
+    raise TimeoutError(f"job {job_id} still in the queue after {timeout_s:.0f}s\n{explain(run_dir, job_id)}")
 
 
 def result(run_dir: Path, job_id: str, state: str, t0: float, events: Optional[dict] = None) -> DrillResult:
@@ -116,24 +117,55 @@ def uninterrupted(run_dir: Path, overrides: Sequence[str], timeout_s: float = 90
     return result(run_dir, job, follow(run_dir, job, timeout_s), t0)
 
 
+# A step of the tiny drills takes about a second here, so a signal sent once N steps are
+# recorded could land after the run has finished. Trainer rank 0 therefore stalls at the
+# start of step N+1 (after that step's stop check): the interruption always lands inside it.
+STALL_S = 12
+
+
+def stalled_after(overrides: Sequence[str], after_steps: int) -> List[str]:
+    return [*overrides, f"ft.inject_failure=trainer:0:stall{STALL_S}@{after_steps + 1}"]
+
+
 def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float = 900) -> DrillResult:
     """USR1 to the batch shell (what Slurm sends before the time limit) once `after_steps`
-    steps are done: the ranks save and stop, the job requeues itself and resumes."""
+    steps are done: the ranks save after the next step and stop, the job requeues itself
+    and resumes."""
     t0 = time.monotonic()
-    job = launch(run_dir, overrides)
-    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps")
+    job = launch(run_dir, stalled_after(overrides, after_steps))
+    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
+             explain=lambda: explain(run_dir, job))
     t_sig = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
     stopped = Path(run_dir) / "stopped.0.json"
-    wait_for(stopped.exists, 300, "the ranks to save and stop")
+    wait_for(stopped.exists, 300, "the ranks to save and stop", explain=lambda: explain(run_dir, job))
     saved = json.loads(stopped.read_text())
-    events = {"usr1_to_checkpoint_s": saved["time"] - t_sig, "stopped_after_step": saved["step"],
-              "checkpoint_saved": saved["saved"]}
+    # signal -> checkpoint includes the rest of the (stalled) step; the save alone is save_s
+    events = {"usr1_to_checkpoint_s": saved["time"] - t_sig, "save_s": saved.get("save_s"),
+              "stopped_after_step": saved["step"],
+              "checkpoint_saved": saved["saved"], "stall_s": STALL_S}
     return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
 
 
-def external_requeue(run_dir: Path, job: str, after_steps: int, timeout_s: float = 900) -> dict:
-    """`scontrol requeue` from outside once `after_steps` steps are done."""
-    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps")
+def external_requeue(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float = 900) -> DrillResult:
+    """`scontrol requeue` from outside once `after_steps` steps are done (inside the next)."""
+    t0 = time.monotonic()
+    job = launch(run_dir, stalled_after(overrides, after_steps))
+    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
+             explain=lambda: explain(run_dir, job))
     subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
-    return {"requeued_after_steps": steps_done(run_dir)}
+    events = {"requeued_after_steps": steps_done(run_dir), "stall_s": STALL_S}
+    return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
+
+
+def explain(run_dir: Path, job_id: str) -> str:
+    """What a drill that timed out saw: the job's state and the run's own records."""
+    run_dir = Path(run_dir)
+    lines = [f"job {job_id}: {squeue_state(job_id) or 'no longer listed'}; {steps_done(run_dir)} steps recorded"]
+    for name in ("restarts.jsonl", "job_exit.json", "logs/batch.out"):
+        p = run_dir / name
+        if p.exists():
+            lines.append(f"{name}: {p.read_text()[-1500:].strip()}")
+    for p in sorted((run_dir / "errors").glob("*.txt")) if (run_dir / "errors").exists() else []:
+        lines.append(f"errors/{p.name}: {p.read_text()[:500].strip()}")
+    return "\n".join(lines)
