@@ -6,7 +6,10 @@ measure token_mult_prob_error = mean exp|logprob_vLLM - logprob_trainer| over sa
 tokens before the refit, refit (along the reshard plan over gloo into the live engine), and measure
 again. Goals (issue: RL core): <= 1.001 with vLLM in fp32, <= 1.01 in bf16.
 
-    python bench/logprob_agreement.py [--precisions fp32,bf16] [--out PATH]
+    python bench/logprob_agreement.py [--precisions fp32,bf16] [--tp 1,2] [--out PATH]
+
+With --tp 2 the engine runs tensor parallel 2 (two vLLM CPU workers): each worker
+receives only its slices of the plan and loads them pre-sharded.
 Writes bench/results/logprob_agreement.json by default.
 """
 
@@ -56,9 +59,18 @@ def measure(generator, trainer, prompts) -> dict:
             "tokens": int(r.response_mask.sum())}
 
 
+def replicated_bytes(state) -> int:
+    from hpc_rl.refit.vllm_layout import specs_of, vllm_tp_layout
+
+    lay = vllm_tp_layout(specs_of(state), [0, 1])
+    return sum(state[n].numel() * state[n].element_size() for n, t in lay.tensors.items()
+               if all(tuple(p.stop) == tuple(t.shape) and not any(p.start) for p in t.pieces))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--tp", default="1", help="vLLM tensor-parallel sizes to try, e.g. 1,2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "logprob_agreement.json"))
     args = ap.parse_args()
 
@@ -83,25 +95,28 @@ def main() -> int:
         prompts_raw = [s["prompt"] for s in mixed(16, seed=3, tasks=("addition", "multiplication"))]
         port = 29000 + int(time.time()) % 1000
         store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False)
-        for k, precision in enumerate(args.precisions.split(",")):
+        cases = [(p, int(tp)) for tp in args.tp.split(",") for p in args.precisions.split(",")]
+        for k, (precision, tp) in enumerate(cases):
             t0 = time.perf_counter()
-            gen = VLLMGenerator(str(ckpt), precision=precision, max_model_len=256)
+            gen = VLLMGenerator(str(ckpt), precision=precision, max_model_len=256, tensor_parallel=tp)
             start_s = time.perf_counter() - t0
             prompts = gen.chat_prompts(prompts_raw)
             before = measure(gen, trainer, prompts)
             timing, _ = refit_in_process(gen, store, port, state, version=1, prefix=f"refit{k}")
             after = measure(gen, trainer, prompts)
-            results.append({"vllm_precision": precision, "trainer_precision": "fp32", "engine_start_s": start_s,
+            results.append({"vllm_precision": precision, "vllm_tensor_parallel": tp, "trainer_precision": "fp32",
+                            "engine_start_s": start_s,
                             "before_refit": before, "after_refit": after, "goal": goals.get(precision),
                             "meets_goal": after["token_mult_prob_error"] <= goals.get(precision, 1.01),
-                            "refit_timing_s": timing,
-                            "bytes": sum(v.numel() * v.element_size() for v in state.values())})
-            print(f"{precision}: before refit {before['token_mult_prob_error']:.4f}, after {after['token_mult_prob_error']:.6f} "
+                            "refit_timing_s": timing, "engine_bytes_received": timing["engine"]["bytes"]})
+            print(f"{precision} TP{tp}: before refit {before['token_mult_prob_error']:.4f}, after {after['token_mult_prob_error']:.6f} "
                   f"over {after['tokens']} tokens (goal <= {goals.get(precision)}); refit {timing['refit_s']:.2f}s")
             del gen
             gc.collect()
     doc = {"benchmark": "logprob_agreement", "model": "tiny Llama, hidden 64, 2 layers (built here)",
-           "trainer_step_loss": loss, "results": results}
+           "trainer_step_loss": loss, "model_bytes": sum(v.numel() * v.element_size() for v in state.values()),
+           # kept whole on every TP rank (norms): what a TP-2 engine receives twice
+           "replicated_bytes": replicated_bytes(state), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")

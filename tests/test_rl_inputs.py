@@ -52,6 +52,13 @@ def test_malformed_row_names_file_and_line_and_nothing_starts(model_dir, tmp_pat
     assert not (tmp_path / "run").exists()  # refused before the run directory exists
 
 
+def test_generator_engines_over_several_ranks_are_refused_before_launch(model_dir, tmp_path, capsys):
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, "generator.tasks_per_node=2", "generator.parallel.tp=2"))
+    assert code == 2
+    assert "generator.parallel" in text and "tp=2" in text and "generator.parallel.tp=1" in text
+    assert not (tmp_path / "run").exists()
+
+
 def test_malformed_rows_can_be_skipped_and_counted(model_dir, tmp_path):
     data = _dataset(tmp_path, mixed(3, tasks=("addition_1digit", "multiplication_1digit")), "{not json", at=2)
     cfg = load_config(_overrides(model_dir, tmp_path, f"data.path={data}", "data.skip_invalid=true"))

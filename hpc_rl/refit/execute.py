@@ -77,6 +77,7 @@ class _Msg:
     nbytes: int
     buf: Optional[torch.Tensor] = None  # the packed or staging buffer, reused across refits
     wire: Optional[torch.Tensor] = None  # what goes on the wire: buf, or the slice itself, as bytes
+    order: int = 0  # plan position of its first slice: messages are posted and waited in plan order
 
 
 @dataclass
@@ -132,6 +133,7 @@ class RefitWalk:
     def _prepare(self, transfers: List[Transfer]) -> _Bucket:
         bucket = _Bucket()
         groups: Dict[Tuple[int, int, bool], List[_Seg]] = defaultdict(list)
+        position = {id(t): i for i, t in enumerate(transfers)}
         for t in transfers:
             a, b = self.proc_of[t.src], self.proc_of[t.dst]
             if b == self.me:
@@ -151,12 +153,17 @@ class RefitWalk:
                     s.offset = off
                     off += -(-s.transfer.nbytes // ALIGN) * ALIGN
                 buf = torch.empty(off, dtype=torch.uint8, device=small[0].view.device)
-                bucket.msgs.append(_Msg(peer, stage, outgoing, small, True, off, buf, buf))
+                bucket.msgs.append(_Msg(peer, stage, outgoing, small, True, off, buf, buf, position[id(small[0].transfer)]))
             for s in segs:
                 if s.transfer.nbytes >= self.direct_min:
                     staging = None if s.view.is_contiguous() else torch.empty_like(s.view, memory_format=torch.contiguous_format)
                     wire = _as_bytes(staging if staging is not None else s.view)
-                    bucket.msgs.append(_Msg(peer, stage, outgoing, [s], False, s.transfer.nbytes, staging, wire))
+                    bucket.msgs.append(_Msg(peer, stage, outgoing, [s], False, s.transfer.nbytes, staging, wire,
+                                            position[id(s.transfer)]))
+        # Plan order across peers (each peer's own order is kept, which is what pairs a send
+        # with its receive): a receiver waits tensor by tensor, not peer by peer, so the
+        # first tensors are whole, and handed on, while the rest are still in flight.
+        bucket.msgs.sort(key=lambda m: m.order)
         return bucket
 
     # ----------------------------------------------------------------------------------- run
@@ -191,14 +198,14 @@ class RefitWalk:
         return posted
 
     def _finish(self, posted: List[Tuple[_Msg, object]], deadline: float, left: Dict[tuple, int],
-                done: List[tuple]) -> None:
-        t0 = time.perf_counter()
+                done: List[tuple]) -> Iterator[None]:
+        """Wait for the posted messages in order; after each one that completes destination
+        pieces, yield (the caller hands `done` on before the next wait)."""
         for m, handle in posted:
-            what = f"{'sending' if m.outgoing else 'receiving'} {m.segs[0].transfer.name} (stage {m.stage}) {'to' if m.outgoing else 'from'}"
-            self.transport.wait(handle, m.peer, deadline, what)
-        t1 = time.perf_counter()
-        self.stats.wait_s += t1 - t0
-        for m, _ in posted:
+            t0 = time.perf_counter()
+            self.transport.wait(handle, m.peer, deadline, _WaitWhat(m))
+            t1 = time.perf_counter()
+            self.stats.wait_s += t1 - t0
             if m.outgoing:
                 continue
             for s in m.segs:
@@ -207,7 +214,9 @@ class RefitWalk:
                 elif m.buf is not None:
                     s.view.copy_(m.buf)
                 _count(left, s, done)
-        self.stats.unpack_s += time.perf_counter() - t1
+            self.stats.unpack_s += time.perf_counter() - t1
+            if done:
+                yield
 
     def stream(self, deadline: float, on_posted=None) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
         """Run the walk; yields (dst rank, name, box start, tensor) for each destination piece
@@ -218,28 +227,36 @@ class RefitWalk:
         left = dict(self.pieces)
         posted: Dict[int, List[Tuple[_Msg, object]]] = {}
         ahead = len(self.buckets) if self.ahead is None else self.ahead
-        for k, bucket in enumerate(self.buckets):
-            for j in range(k, min(k + 1 + ahead, len(self.buckets))):
-                if j not in posted:
-                    posted[j] = self._post(self.buckets[j], 0)
-            if k == 0 and on_posted is not None:
-                on_posted()
-            done: List[tuple] = []
-            for st, seg, _ in bucket.local:  # this bucket's local stage-0 copies were made when it was posted
-                if st == 0:
-                    _count(left, seg, done)
-            self._finish(posted.pop(k), deadline, left, done)
-            forwards = self._post(bucket, 1)
-            for st, seg, _ in bucket.local:
-                if st == 1:
-                    _count(left, seg, done)
-            self._finish(forwards, deadline, left, done)
+        done: List[tuple] = []
+
+        def hand_on():
             for key in done:
                 rank, name, i = key
                 start, tensor = self.holdings.dst[rank][name][i]
                 t0 = time.perf_counter()
                 yield rank, name, start, tensor
                 self.stats.consumer_s += time.perf_counter() - t0
+            done.clear()
+
+        for k, bucket in enumerate(self.buckets):
+            for j in range(k, min(k + 1 + ahead, len(self.buckets))):
+                if j not in posted:
+                    posted[j] = self._post(self.buckets[j], 0)
+            if k == 0 and on_posted is not None:
+                on_posted()
+            for st, seg, _ in bucket.local:  # this bucket's local stage-0 copies were made when it was posted
+                if st == 0:
+                    _count(left, seg, done)
+            yield from hand_on()
+            for _ in self._finish(posted.pop(k), deadline, left, done):
+                yield from hand_on()
+            forwards = self._post(bucket, 1)
+            for st, seg, _ in bucket.local:
+                if st == 1:
+                    _count(left, seg, done)
+            yield from hand_on()
+            for _ in self._finish(forwards, deadline, left, done):
+                yield from hand_on()
         missing = [k for k, v in left.items() if v]
         if missing:
             raise RefitError(f"refit plan left {len(missing)} destination pieces incomplete, e.g. {missing[0]}")
@@ -250,6 +267,18 @@ class RefitWalk:
         for _ in self.stream(deadline):
             pass
         return self.stats
+
+
+class _WaitWhat:
+    """What a message is, for a timeout's message; built only if one is raised."""
+
+    def __init__(self, m: _Msg):
+        self.m = m
+
+    def __str__(self) -> str:
+        m = self.m
+        return (f"{'sending' if m.outgoing else 'receiving'} {m.segs[0].transfer.name} (stage {m.stage}) "
+                f"{'to' if m.outgoing else 'from'}")
 
 
 def _count(left: Dict[tuple, int], seg: _Seg, done: List[tuple]) -> None:

@@ -59,7 +59,7 @@ def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:
 
 class VLLMGenerator:
     def __init__(self, model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
-                 memory_fraction: float = 0.2, max_num_seqs: int = 256):
+                 memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1):
         from vllm import LLM
 
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
@@ -70,7 +70,8 @@ class VLLMGenerator:
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
                        gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
-                       worker_extension_cls=EXTENSION)
+                       tensor_parallel_size=tensor_parallel, worker_extension_cls=EXTENSION)
+        self.tensor_parallel = tensor_parallel
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_version = 0
 
@@ -114,34 +115,50 @@ class VLLMGenerator:
         return str(self.llm.llm_engine.model_config.dtype).split(".")[1]
 
     def join_refit(self, setup, first_rank: int, host: str, port: int) -> Dict[str, float]:
-        """The engine's worker joins the refit group as rank `first_rank` (TP 1: one worker)
-        and prepares its part of the plan."""
-        return self.llm.collective_rpc("hpc_rl_join", args=(setup.to_wire(), first_rank, host, port))[0]
+        """The engine's workers join the refit group as ranks `first_rank` + their
+        tensor-parallel rank, and each prepares its part of the plan."""
+        joined = self.llm.collective_rpc("hpc_rl_join", args=(setup.to_wire(), first_rank, host, port))
+        return {"ranks": [j["rank"] for j in joined], "join_s": max(j["join_s"] for j in joined),
+                "prepare_s": max(j["prepare_s"] for j in joined)}
 
     def refit(self, version: int, timeout_s: float, load: bool = True, ready_key: Optional[str] = None) -> Dict[str, float]:
         """Receive and load the weights of trainer step `version`; raises (through vLLM's
-        RPC, with the RefitError's text) when a peer dies or the deadline passes."""
-        out = self.llm.collective_rpc("hpc_rl_refit", args=(version, timeout_s, load, ready_key))[0]
-        self.weight_version = out["version"]  # stamped by the worker after the end-of-refit barrier
+        RPC, with the RefitError's text) when a peer dies or the deadline passes. Returns
+        the first worker's timings with the bytes of all workers."""
+        outs = self.llm.collective_rpc("hpc_rl_refit", args=(version, timeout_s, load, ready_key))
+        out = dict(outs[0], bytes=sum(o["bytes"] for o in outs), messages=sum(o["messages"] for o in outs),
+                   refit_s=max(o["refit_s"] for o in outs))
+        # stamped by each worker after the end-of-refit barrier: the engine serves the oldest
+        out["version"] = min(o["version"] for o in outs)
+        self.weight_version = out["version"]
         return out
 
     def worker_version(self) -> int:
-        return self.llm.collective_rpc("hpc_rl_version")[0]
+        return min(self.llm.collective_rpc("hpc_rl_version"))
 
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
-                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch"):
+                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch", engine_tp: int = 1):
     """The refit group of `n_trainers` FSDP2 ranks (refit ranks 0..n-1, Shard(0) each) and
-    `n_engines` TP-1 vLLM engines (refit ranks n.., each keeping every tensor whole)."""
+    `n_engines` vLLM engines of tensor parallel `engine_tp` (engine g's workers are refit
+    ranks n + g*engine_tp + their TP rank, each keeping its TP slices). The first rank of
+    engine g is `engine_first_rank(n_trainers, g, engine_tp)`."""
     from .layout import fsdp2, merge
     from .session import RefitSetup
     from .vllm_layout import vllm_tp_layout
 
     src = fsdp2(specs, list(range(n_trainers)))
-    dst = merge(*[vllm_tp_layout(specs, [n_trainers + g]) for g in range(n_engines)])
-    names = {**{i: f"trainer:{i}" for i in range(n_trainers)}, **{n_trainers + g: f"generator:{g}" for g in range(n_engines)}}
+    engines = [[engine_first_rank(n_trainers, g, engine_tp) + j for j in range(engine_tp)] for g in range(n_engines)]
+    dst = merge(*[vllm_tp_layout(specs, ranks) for ranks in engines])
+    names = {i: f"trainer:{i}" for i in range(n_trainers)}
+    for g, ranks in enumerate(engines):
+        names.update({r: f"generator:{g}" + (f"/tp{j}" if engine_tp > 1 else "") for j, r in enumerate(ranks)})
     return RefitSetup(src=src.to_dict(), dst=dst.to_dict(), proc_of={r: r for r in names}, names=names, prefix=prefix,
                       domain_of=domain_of, bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=transport)
+
+
+def engine_first_rank(n_trainers: int, engine: int, engine_tp: int = 1) -> int:
+    return n_trainers + engine * engine_tp
 
 
 def refit_in_process(generator: VLLMGenerator, store, port: int, state, version: int, prefix: str,
@@ -158,7 +175,8 @@ def refit_in_process(generator: VLLMGenerator, store, port: int, state, version:
     t0 = time.perf_counter()
     cast = whole_tensor_sources({k: v.to(getattr(torch, generator.dtype_name)) for k, v in state.items()}, 0)
     if endpoint is None:
-        setup = refit_setup(specs_of(state, generator.dtype_name), 1, 1, prefix, timeout_s=timeout_s)
+        setup = refit_setup(specs_of(state, generator.dtype_name), 1, 1, prefix, timeout_s=timeout_s,
+                            engine_tp=generator.tensor_parallel)
         joined = []
         joiner = threading.Thread(target=lambda: joined.append(generator.join_refit(setup, 1, "127.0.0.1", port)))
         joiner.start()

@@ -8,6 +8,9 @@ From the group's `RefitSetup` it rebuilds the plan and prepares its walk once; a
 refit it streams the slices in and hands each finished tensor to vLLM while the next ones
 are still arriving. On CPU the tensors load between vLLM's layerwise-reload hooks (a
 plain `model.load_weights` after the first load corrupts the processed kernel tensors).
+With tensor parallel > 1 every worker of the engine is its own rank of the refit group
+and receives only its slices; they reach vLLM's loaders wrapped as `PreShardedWeight`
+(refit/presharded.py), so the loaders' own narrowing and fused offsets still apply.
 The weight version (the trainer step) is stamped only once every rank has passed the
 end-of-refit barrier.
 """
@@ -36,29 +39,31 @@ class RefitWorkerExtension:
                 out[full] = (tuple(meta.shape), str(meta.dtype).split(".")[1])
         return out
 
-    def hpc_rl_join(self, setup, rank: int, host: str, port: int) -> Dict[str, float]:
+    def hpc_rl_join(self, setup, first_rank: int, host: str, port: int) -> Dict[str, float]:
+        """Join the refit group as rank `first_rank` + this worker's tensor-parallel rank."""
         import torch.distributed as dist
         from datetime import timedelta
 
+        from hpc_rl.refit.layout import Layout
         from hpc_rl.refit.session import RefitEndpoint, RefitSetup
         from hpc_rl.refit.transport import make_transport
+        from vllm.distributed import get_tensor_model_parallel_rank
 
         t0 = time.perf_counter()
         setup = RefitSetup.from_wire(setup)
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
-        if tp > 1:
-            # The receiver hands vLLM's loaders whole HF tensors, which is what a TP-1 engine
-            # keeps. A TP>1 engine would take its slices through the fused targets
-            # (vllm_layout.fused_targets) with pre-sharded loading: not built yet.
-            raise RuntimeError(f"refit into a vLLM engine of tensor parallel {tp} is not supported yet; "
-                               f"run generator.parallel.tp=1 engines (one engine per GPU)")
+        pp = self.vllm_config.parallel_config.pipeline_parallel_size
+        if pp > 1:  # the destination layouts describe tensor parallel only
+            raise RuntimeError(f"refit into a vLLM engine with pipeline parallel {pp} is not supported; "
+                               f"use tensor parallel (generator.parallel.pp=1)")
+        rank = first_rank + get_tensor_model_parallel_rank()
+        self._hpc_rl_shapes = {n: t.shape for n, t in Layout.from_dict(setup.dst).tensors.items()}
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=setup.timeout_s))
         on_gpu = next(self.model_runner.get_model().parameters()).is_cuda
         transport = make_transport(setup.transport, store, setup.prefix, rank, setup.world, setup.names,
                                    setup.timeout_s, cuda=on_gpu)
         self._hpc_rl_refit = RefitEndpoint(setup, rank, transport, device="cuda" if on_gpu else "cpu")
         self._hpc_rl_version = -1
-        return {"join_s": time.perf_counter() - t0, "prepare_s": self._hpc_rl_refit.prepare_s}
+        return {"rank": rank, "join_s": time.perf_counter() - t0, "prepare_s": self._hpc_rl_refit.prepare_s}
 
     def hpc_rl_refit(self, version: int, timeout_s: float, load: bool = True,
                      ready_key: Optional[str] = None) -> Dict[str, float]:
@@ -72,8 +77,7 @@ class RefitWorkerExtension:
         stream = endpoint.stream(timeout_s, on_posted=signal)
         phases = {"init_s": 0.0, "finalize_s": 0.0}
         if load:
-            # TP 1: every piece is a whole HF tensor, which vLLM's loaders take by its HF name
-            phases = self._hpc_rl_load((name, tensor) for _rank, name, _start, tensor in stream)
+            phases = self._hpc_rl_load(self._hpc_rl_loader_weights(stream))
         else:
             for _ in stream:
                 pass
@@ -86,11 +90,19 @@ class RefitWorkerExtension:
     def hpc_rl_load_local(self) -> Dict[str, float]:
         """Load the tensors of the last refit again from this worker's memory: what vLLM's
         weight processing alone costs (the benchmark's reference)."""
-        pieces = [(name, boxes[0][1]) for _rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
-                  for name, boxes in tensors.items()]
+        pieces = [(rank, name, start, tensor) for rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
+                  for name, boxes in tensors.items() for start, tensor in boxes]
         t0 = time.perf_counter()
-        self._hpc_rl_load(iter(pieces))
+        self._hpc_rl_load(self._hpc_rl_loader_weights(iter(pieces)))
         return {"load_s": time.perf_counter() - t0}
+
+    def _hpc_rl_loader_weights(self, pieces):
+        """(HF name, tensor) as vLLM's loaders take them: whole tensors as they are, a
+        tensor-parallel slice wrapped so that the loader's own narrow finds it."""
+        from hpc_rl.refit.presharded import as_loader_weight
+
+        for _rank, name, start, tensor in pieces:
+            yield name, as_loader_weight(tensor, self._hpc_rl_shapes[name], start, name)
 
     def _hpc_rl_load(self, weights) -> Dict[str, float]:
         """Load (HF name, tensor) pairs into the live model between vLLM's layerwise-reload
