@@ -66,3 +66,29 @@ def test_check_against_a_tp1_model_passes_and_names_every_mismatch():
     assert "model.layers.0.mlp.router.weight: vLLM's model has no parameter" in text
     assert "qkv_proj.weight: its members add up to 112 rows, vLLM's parameter has 128" in text
     assert "input_layernorm.weight: dtype bfloat16 (trainer side) vs float32" in text
+
+
+def test_a_pre_sharded_slice_answers_only_the_narrow_to_itself():
+    """What a TP>1 worker hands vLLM's loaders (the live TP-2 engine is exercised by
+    test_vllm_refit): the global shape, the slice for the loader's own narrow, and a
+    clear error for anything else, so a split that disagrees cannot load silently."""
+    import torch
+
+    from hpc_rl.refit.presharded import PreShardedWeight, as_loader_weight
+
+    full = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
+    rows = as_loader_weight(full[2:4].clone(), (6, 4), (2, 0), "x.q_proj.weight")
+    assert isinstance(rows, PreShardedWeight) and tuple(rows.shape) == (6, 4) and rows.dim() == 2
+    assert torch.equal(rows.narrow(0, 2, 2), full[2:4]) and torch.equal(torch.narrow(rows, 0, 2, 2), full[2:4])
+    cols = as_loader_weight(full[:, 2:].clone(), (6, 4), (0, 2), "x.o_proj.weight")
+    assert torch.equal(cols.narrow(1, 2, 2), full[:, 2:])
+    with pytest.raises(RuntimeError, match=r"x.q_proj.weight: vLLM's loader asked for rows 0:2 of dim 0, this worker received rows 2:4"):
+        rows.narrow(0, 0, 2)
+    with pytest.raises(RuntimeError, match="x.q_proj.weight: vLLM's loader applied aten.copy_"):
+        torch.empty(6, 4).copy_(rows)
+    with pytest.raises(RuntimeError, match="only a narrow to that slice"):
+        rows + 1
+    whole = full.clone()
+    assert as_loader_weight(whole, (6, 4), (0, 0), "norm.weight") is whole  # whole tensors go as they are
+    with pytest.raises(ValueError, match="not a slice along one dimension"):
+        PreShardedWeight(full[2:4, 2:].clone(), (6, 4), (2, 2), "x")

@@ -63,6 +63,8 @@ class VLLMGenerator:
         from vllm import LLM
 
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        if tensor_parallel > 1 and not torch.cuda.is_available():
+            _bind_cpu_workers(tensor_parallel)
         # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
         # A token budget that fits every running sequence whole: no prompt is ever split by
         # chunked prefill. vLLM 0.32 on CPU crashes when it rewinds a per-request seeded
@@ -135,6 +137,22 @@ class VLLMGenerator:
 
     def worker_version(self) -> int:
         return min(self.llm.collective_rpc("hpc_rl_version"))
+
+
+def _bind_cpu_workers(tp: int) -> None:
+    """vLLM's CPU backend binds each worker's OpenMP threads to a NUMA node of its own and
+    refuses TP > NUMA nodes; on one node, split this process's CPUs between the workers
+    instead (VLLM_CPU_OMP_THREADS_BIND, unless the user set it)."""
+    import os
+
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise RuntimeError(f"a vLLM CPU engine of tensor parallel {tp} needs {tp} CPUs, this process may use {len(cpus)}")
+    per = len(cpus) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
 
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
