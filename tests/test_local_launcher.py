@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from submitit.core import utils as submitit_utils
 
 from hpc_rl.launchers.local import FAILED_ROLE_EXIT_BASE

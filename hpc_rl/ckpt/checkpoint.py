@@ -381,8 +381,8 @@ class ResumeScan:
 
 
 def _fresh_hint(root: Path) -> str:
-    return (f"to start fresh, set checkpoint.resume=false (existing checkpoints are then ignored and "
-            f"overwritten) or checkpoint.dir=<new dir>; to resume from it, run the recipe and model it was written for")
+    return ("to start fresh, set checkpoint.resume=false (existing checkpoints are then ignored and "
+            "overwritten) or checkpoint.dir=<new dir>; to resume from it, run the recipe and model it was written for")
 
 
 def check_compatible(manifest: Dict[str, Any], fingerprint: Fingerprint, recipe: Optional[str], path: Path) -> None:

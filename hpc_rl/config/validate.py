@@ -22,7 +22,7 @@ from .resources import (
     teacher_groups,
     world_size,
 )
-from .schema import GeneratorConfig, RoleResources, RunConfig, TrainerConfig
+from .schema import GeneratorConfig, RoleResources, RunConfig
 
 
 def _divisors(n: int) -> List[int]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 
 def run(ctx) -> Dict[str, Any]:
-    ident, groups, plan = ctx.ident, ctx.groups, ctx.plan
+    ident, groups = ctx.ident, ctx.groups
     out: Dict[str, Any] = {"role": ident.role, "role_rank": ident.role_rank, "global_rank": ident.global_rank,
                            "node": ident.node, "device": ctx.device, "timing": dict(ctx.timing),
                            # where Slurm's topology plugin put this task (spine.rack1.node1), if it says
