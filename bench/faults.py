@@ -2,7 +2,9 @@
 
 For each chaos case: did the run finish, do its final weights equal an uninterrupted
 run's (sha256 of the trained state), how many steps were computed twice; plus seconds
-from USR1 to a checkpoint on disk and from a rank freezing to its detection by heartbeats.
+from USR1 to a checkpoint on disk (which includes the rest of the step the drill stalls,
+see hpc_rl/slurm/chaos.py; `save_s` is the save alone) and from a rank freezing to its
+detection by heartbeats.
 Writes bench/results/faults.json.
 
     make cluster-up && python bench/faults.py
@@ -60,7 +62,7 @@ def main() -> int:
         out["uninterrupted"] = {"finished": ref.finished, "seconds": round(ref.seconds, 1),
                                 "final_weights_sha256": ref.summary.get("final_weights_sha256")}
         print("uninterrupted:", out["uninterrupted"], flush=True)
-        out["usr1_mid_run"] = case(chaos.usr1_mid_run(tmp / "usr1", RUN, after_steps=3), ref)
+        out["usr1_mid_run"] = case(chaos.usr1_mid_run(tmp / "usr1", RUN, after_steps=2), ref)
         print("usr1:", out["usr1_mid_run"], flush=True)
 
         t0 = time.monotonic()
