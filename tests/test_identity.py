@@ -40,12 +40,20 @@ def test_identity_errors_name_the_problem(ultra_plan):
         identity_from_env(ultra_plan, {"HPC_RL_ROLE": "teacher/swe", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"})
 
 
-@pytest.mark.parametrize("job_id,restart", [("12345", 0), ("12345", 3), ("7", 1), ("local-4242", 0)])
-def test_port_formula_matches_the_batch_shell(job_id, restart):
-    # the same arithmetic as the rendered script, run by bash
-    script = ('job_digits=$(echo "$J" | tr -cd 0-9); '
-              'echo $(( 20000 + (10#${job_digits:-0} * 131 + R * 17) % 30000 ))')
-    out = subprocess.run(["bash", "-c", script], env={"J": job_id, "R": str(restart), "PATH": "/usr/bin:/bin"},
+@pytest.mark.parametrize("job_id,restart", [("12345", 0), ("12345", 3), ("7", 1), ("local-4242", 0), ("101", 0)])
+def test_port_formula_matches_the_batch_shell_and_avoids_ephemeral_ports(job_id, restart):
+    from hpc_rl.runtime.identity import ephemeral_low
+    from hpc_rl.slurm.sbatch import PORT_LINES
+
+    # the rendered script's own lines, run by bash
+    script = "\n".join(PORT_LINES) + '\necho "$HPC_RL_MASTER_PORT"'
+    out = subprocess.run(["bash", "-c", script], env={"SLURM_JOB_ID": job_id, "HPC_RL_RESTART": str(restart),
+                                                      "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True).stdout
-    assert int(out) == rendezvous_port(job_id, restart)
-    assert rendezvous_port(job_id, restart) != rendezvous_port(job_id, restart + 1)
+    port = rendezvous_port(job_id, restart)
+    assert int(out) == port
+    assert port != rendezvous_port(job_id, restart + 1)
+    # job 101 got 33231 from the old formula: inside the ephemeral range (32768-60999 here),
+    # where an outgoing connection held it and the store failed with EADDRINUSE
+    assert 20000 <= port < ephemeral_low()
+    assert rendezvous_port("101", 0, eph_low=32768) < 32768 and rendezvous_port("101", 0, eph_low=10000) < 30000

@@ -80,9 +80,24 @@ def identity_from_env(plan: JobPlan, env: Optional[Mapping[str, str]] = None) ->
     )
 
 
-def rendezvous_port(job_id: str, restart: int) -> int:
+PORT_BASE = 20000
+
+
+def ephemeral_low() -> int:
+    """First port of the kernel's ephemeral range (outgoing connections take ports there)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def rendezvous_port(job_id: str, restart: int, eph_low: Optional[int] = None) -> int:
     """A port every rank derives alike from the job id and restart count (no scontrol in
     containers): a requeued job gets a fresh port, so stale sockets of the last attempt
-    never collide with the new store."""
+    never collide with the new store. It lies below the ephemeral range: any outgoing
+    connection on the node (srun's I/O, vLLM's sockets) may hold a port of that range, and
+    a store that cannot listen fails the job with EADDRINUSE (seen at job id 101 here)."""
     digits = int("".join(ch for ch in job_id if ch.isdigit()) or "0")
-    return 20000 + (digits * 131 + restart * 17) % 30000
+    low = ephemeral_low() if eph_low is None else eph_low
+    span = low - PORT_BASE if low - PORT_BASE >= 1024 else 10000
+    return PORT_BASE + (digits * 131 + restart * 17) % span

@@ -32,6 +32,17 @@ class RenderOptions:
     overrides: tuple = ()  # the launch overrides, replayed when a hand-submitted script plans its run
 
 
+
+# The rendezvous port, from the job id and restart count (runtime/identity.py's
+# rendezvous_port is the same arithmetic): a requeued job never meets its old store. It
+# lies below the kernel's ephemeral range, where any outgoing connection may hold a port.
+PORT_LINES = [
+    "read -r eph_lo _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || eph_lo=32768",
+    "port_span=$(( eph_lo - 20000 >= 1024 ? eph_lo - 20000 : 10000 ))",
+    'job_digits=$(echo "$SLURM_JOB_ID" | tr -cd 0-9)',
+    "export HPC_RL_MASTER_PORT=$(( 20000 + (10#${job_digits:-0} * 131 + HPC_RL_RESTART * 17) % port_span ))",
+]
+
 def version_at_least(version: str, minimum: str) -> bool:
     def parts(v: str) -> List[int]:
         return [int(p) for p in v.split(".") if p.isdigit()]
@@ -165,9 +176,7 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
         'node_addr=$(scontrol show node "$first_node" 2>/dev/null | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
         'export HPC_RL_MASTER_ADDR="${node_addr:-$first_node}"',
-        "# A port from the job id and restart count: a requeued job never meets its old store.",
-        'job_digits=$(echo "$SLURM_JOB_ID" | tr -cd 0-9)',
-        "export HPC_RL_MASTER_PORT=$(( 20000 + (10#${job_digits:-0} * 131 + HPC_RL_RESTART * 17) % 30000 ))",
+        *PORT_LINES,
         "# The switch/block topology for the ranks' placement (containers have no scontrol).",
         'scontrol show topology > "$RUN_DIR/topology.$HPC_RL_RESTART.txt" 2>/dev/null || true',
         'echo "hpc_rl: job $SLURM_JOB_ID restart $HPC_RL_RESTART started at $(date +%s.%N), run dir $RUN_DIR, store $HPC_RL_MASTER_ADDR:$HPC_RL_MASTER_PORT"',
