@@ -330,17 +330,28 @@ class CudaIpcTransport(_Named):
 
 
 def _store_barrier(t: "_Named", deadline: float) -> None:
-    """A barrier through the store (transports without collectives), naming who is missing."""
+    """A barrier through the store (transports without collectives), naming who is missing.
+
+    Rank 0 leaves last: every other rank's final store call is its departure count, and
+    rank 0 returns only once all have departed. Rank 0 hosts the job's store (trainer rank
+    0 in a run), and a host that left first would close the store under a rank still
+    polling it ("Connection was likely closed", seen in a test where rank 0 then exits)."""
     t.epoch = getattr(t, "epoch", 0) + 1
     key = f"{t.prefix}/store_barrier/{t.epoch}"
     t._store_set(f"{t.prefix}/arrived/{t.epoch}/{t.rank}", "1")
+
+    def wait_count(counter: str, what: str) -> None:
+        while int(t.store.add(counter, 0)) < t.world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(t.world) if t._store_get(f"{t.prefix}/arrived/{t.epoch}/{r}") is None]
+                t._fail(missing[0] if missing else None, what, TimeoutError("deadline passed"))
+            time.sleep(0.0005)
+
     t.store.add(key, 1)
-    while int(t.store.add(key, 0)) < t.world:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(t.world) if t._store_get(f"{t.prefix}/arrived/{t.epoch}/{r}") is None]
-            t._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for",
-                    TimeoutError("deadline passed"))
-        time.sleep(0.0005)
+    wait_count(key, "in the end-of-refit barrier, waiting for")
+    t.store.add(f"{key}/departed", 1)
+    if t.rank == 0:
+        wait_count(f"{key}/departed", "in the end-of-refit barrier, waiting for the departure of")
 
 
 def make_transport(kind: str, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
