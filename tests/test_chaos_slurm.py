@@ -15,6 +15,11 @@ RUN = ["+recipe=tiny_grpo", "cluster=local_slurm", "run.max_steps=6", "algo.prom
        "launcher.slurm.signal_grace_s=60"]
 
 
+def _resumes(res: chaos.DrillResult) -> list:
+    """(restart, step it resumed from, steps computed twice) for each resume."""
+    return [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts]
+
+
 @pytest.fixture(scope="module")
 def reference(local_slurm, tmp_path_factory):
     """The same run without interruption: its final weights are what every drill must reach."""
@@ -33,8 +38,7 @@ def test_usr1_saves_requeues_resumes_and_matches_the_uninterrupted_weights(local
     # though step 3 is no periodic checkpoint (every 2), then stop
     assert res.events["checkpoint_saved"] and res.events["stopped_after_step"] == 3
     # resumed exactly where it stopped: no step computed twice
-    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == \
-        [(1, res.events["stopped_after_step"], 0)]
+    assert _resumes(res) == [(1, res.events["stopped_after_step"], 0)]
     assert res.summary["restarts"] == 1 and res.summary["steps"] == 6
     assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
     assert (run / "logs" / "trainer.1.out").exists()  # logs carry the restart count
@@ -50,7 +54,7 @@ def test_killed_generator_requeues_recomputes_the_lost_step_and_matches(local_sl
     job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
     res = chaos.result(run, job, chaos.follow(run, job), t0)
     assert res.finished, res
-    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == [(1, 2, 1)]
+    assert _resumes(res) == [(1, 2, 1)]
     assert all((run / "logs" / f"generator.{k}.out").exists() for k in (0, 1))  # one log per restart
     assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
 
@@ -63,7 +67,7 @@ def test_external_requeue_mid_step_resumes_from_the_last_checkpoint_and_matches(
     # recomputes step 3 (step 4 never finished)
     res = chaos.external_requeue(run, RUN, after_steps=3)
     assert res.finished, res
-    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == [(1, 2, 1)]
+    assert _resumes(res) == [(1, 2, 1)]
     assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
 
 

@@ -155,7 +155,7 @@ class RLProgram:
         worker. Trainer rank 0 describes both sides' layouts; every member rebuilds the same
         plan from that description. The engine checks the names and shapes against its live
         model first, so a mismatch stops the run here, before any step."""
-        from hpc_rl.refit.vllm_engine import refit_setup
+        from hpc_rl.refit.vllm_engine import engine_first_rank, refit_setup
         from hpc_rl.refit.vllm_layout import check_against_model, specs_of
 
         cfg = self.cfg
@@ -185,7 +185,7 @@ class RLProgram:
 
             check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
                                 self.engine.params())
-            self.engine.join_refit(setup, len(self.trainer_ranks) + self.ident.role_rank, self.ctx.store_addr,
+            self.engine.join_refit(setup, engine_first_rank(len(self.trainer_ranks), self.ident.role_rank), self.ctx.store_addr,
                                    self.ctx.store_port)
 
     def _refit_domains(self) -> Optional[Dict[int, str]]:
@@ -458,11 +458,12 @@ class RLProgram:
         if done_step > self._last_saved:
             self._checkpoint(done_step, it)
         if self.is_driver:
+            now = time.time()
             self.log.warning("stopping after step %d for a requeue (%s); checkpoint on disk %.2fs after the request",
-                             done_step, why, time.time() - t0)
+                             done_step, why, now - t0)
             (self.ctx.run_dir / STOPPED.format(restart=self.ident.restart)).write_text(
-                json.dumps({"step": done_step, "saved": self._last_saved == done_step, "time": time.time(),
-                            "save_s": time.time() - t0}) + "\n")
+                json.dumps({"step": done_step, "saved": self._last_saved == done_step, "time": now,
+                            "save_s": now - t0}) + "\n")
         self.ctx.finish()
         dist.barrier(group=self.ctx.groups.world)
         return {"role": self.role, "rank": self.ident.role_rank, "stopped_after": done_step}

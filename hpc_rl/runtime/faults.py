@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
-HOWS = ("raise", "freeze", "kill", "hang", "stall<seconds>")
 _HOW = re.compile(r"raise|freeze|kill|hang|stall(\d+)")
 
 

@@ -86,7 +86,8 @@ PORT_BASE = 20000
 def ephemeral_low() -> int:
     """First port of the kernel's ephemeral range (outgoing connections take ports there)."""
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
 

@@ -127,14 +127,21 @@ def stalled_after(overrides: Sequence[str], after_steps: int) -> List[str]:
     return [*overrides, f"ft.inject_failure=trainer:0:stall{STALL_S}@{after_steps + 1}"]
 
 
+def launch_stalled(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float) -> str:
+    """Submit with the stall injected; returns the job id once `after_steps` steps are
+    recorded (the next step is then stalled)."""
+    job = launch(run_dir, stalled_after(overrides, after_steps))
+    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
+             explain=lambda: explain(run_dir, job))
+    return job
+
+
 def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float = 900) -> DrillResult:
     """USR1 to the batch shell (what Slurm sends before the time limit) once `after_steps`
     steps are done: the ranks save after the next step and stop, the job requeues itself
     and resumes."""
     t0 = time.monotonic()
-    job = launch(run_dir, stalled_after(overrides, after_steps))
-    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
-             explain=lambda: explain(run_dir, job))
+    job = launch_stalled(run_dir, overrides, after_steps, timeout_s)
     t_sig = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
     stopped = Path(run_dir) / "stopped.0.json"
@@ -150,9 +157,7 @@ def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, time
 def external_requeue(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float = 900) -> DrillResult:
     """`scontrol requeue` from outside once `after_steps` steps are done (inside the next)."""
     t0 = time.monotonic()
-    job = launch(run_dir, stalled_after(overrides, after_steps))
-    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
-             explain=lambda: explain(run_dir, job))
+    job = launch_stalled(run_dir, overrides, after_steps, timeout_s)
     subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
     events = {"requeued_after_steps": steps_done(run_dir), "stall_s": STALL_S}
     return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
@@ -166,6 +171,6 @@ def explain(run_dir: Path, job_id: str) -> str:
         p = run_dir / name
         if p.exists():
             lines.append(f"{name}: {p.read_text()[-1500:].strip()}")
-    for p in sorted((run_dir / "errors").glob("*.txt")) if (run_dir / "errors").exists() else []:
+    for p in sorted((run_dir / "errors").glob("*.txt")):  # none when the directory is absent
         lines.append(f"errors/{p.name}: {p.read_text()[:500].strip()}")
     return "\n".join(lines)
