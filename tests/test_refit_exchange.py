@@ -168,3 +168,34 @@ def test_a_dead_or_silent_receiver_makes_the_sender_raise_within_the_deadline(ho
     # the healthy receiver does not hang either
     kind1, payload1, secs1 = results[1]
     assert kind1 == "error" and secs1 < 5.0, (kind1, payload1, secs1)
+
+
+def test_a_barrier_rank_blames_where_the_chain_of_waits_ends_not_a_live_sender():
+    """The ordering a CI run hit: receiver 1 fails in the end-of-refit barrier while sender 0
+    (not arrived, still alive) is only about to record that it lost receiver 2. Rank 1 must
+    name proc:2, not the first rank missing from the barrier."""
+    import threading
+    from hpc_rl.refit.transport import RefitError, _Named
+
+    store = torch.distributed.HashStore()
+    names = {0: "proc:0", 1: "proc:1", 2: "proc:2"}
+
+    def side(rank):
+        t = _Named()
+        t.rank, t.world, t.names, t.store, t.prefix, t.epoch = rank, 3, names, store, "refit", 1
+        return t
+
+    store.set("refit/arrived/1/1", "1")  # only rank 1 reached the barrier
+    barrier_rank, sender = side(1), side(0)
+    # the sender's wait on rank 2 fails 0.3 s later, in its own process
+    later = threading.Timer(0.3, lambda: store.set("refit/waiting/0", "2"))
+    later.start()
+    with pytest.raises(RefitError) as err:
+        barrier_rank._fail(None, "in the end-of-refit barrier, waiting for", ConnectionError("Connection closed by peer"),
+                           missing=barrier_rank._not_arrived)
+    later.join()
+    assert "proc:2" in str(err.value) and "proc:0" not in str(err.value), err.value
+    # the sender, failing second, reports the barrier rank's reason, which names proc:2
+    with pytest.raises(RefitError) as err0:
+        sender._fail(2, "sending to", ConnectionError("Connection closed by peer"))
+    assert "proc:2" in str(err0.value), err0.value

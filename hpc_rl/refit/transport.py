@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,21 +63,34 @@ class _Named:
     def abort_reason(self) -> Optional[str]:
         return self._store_get(f"{self.prefix}/abort")
 
-    def _fail(self, peer: Optional[int], what: str, exc: BaseException) -> None:
-        """Raise a RefitError naming the culprit. A rank that times out records whom it waited
-        for; after a short grace every failing rank follows that chain (A waited on B, B on
-        C, C on nobody: C is the one that did not arrive), so all sides name the same peer."""
+    def _fail(self, peer: Optional[int], what: str, exc: BaseException,
+              missing: Optional[Callable[[], List[int]]] = None) -> None:
+        """Raise a RefitError naming the culprit. Every failing rank records whom it waited
+        for (timed out or lost); after a short grace every failing rank follows that chain (A
+        waited on B, B on C, C on nobody: C is the one that did not arrive or died), so all
+        sides name the same peer. A barrier waits on everyone: `missing` lists who had not
+        arrived, and the culprit is where their chains end (a rank still failing its own
+        wait is not the culprit: a CI run blamed a live sender whose peer had died)."""
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         timed_out = "timed out" in text.lower() or "deadline" in text or isinstance(exc, TimeoutError)
-        if timed_out and peer is not None:
+        if peer is not None:
             self._store_set(f"{self.prefix}/waiting/{self.rank}", str(peer))
+
+        def ends() -> List[int]:
+            return sorted({self._follow(r) for r in missing()}) if missing is not None else []
+
         grace = time.monotonic() + 1.0
         other = self.abort_reason()
         while other is None and time.monotonic() < grace:
+            if missing is not None and len(ends()) == 1 and time.monotonic() > grace - 0.5:
+                break  # the chains agree (after half the grace, so a slow rank can record)
             time.sleep(0.05)
             other = self.abort_reason()
         if other:
             raise RefitError(f"refit aborted by a peer: {other}") from exc
+        if missing is not None:
+            found = ends()
+            peer = found[0] if found else None
         who = self.name(peer) if peer is not None else "a peer"
         culprit = self._follow(peer) if peer is not None else None
         if culprit is not None and culprit != peer:
@@ -91,6 +104,11 @@ class _Named:
             reason = f"{what} {who} failed: {text[:200]}"
         self.abort(f"{self.name(self.rank)}: {reason}")
         raise RefitError(reason) from exc
+
+    def _not_arrived(self) -> List[int]:
+        """Ranks that have not reached this epoch's end-of-refit barrier."""
+        return [r for r in range(self.world)
+                if self._store_get(f"{self.prefix}/arrived/{getattr(self, 'epoch', 0)}/{r}") is None]
 
     def _follow(self, peer: int) -> int:
         seen = {self.rank}
@@ -173,9 +191,7 @@ class TorchP2P(_Named):
                 raise TimeoutError("deadline passed")
             work.wait(timedelta(seconds=left)) if not self.cuda else work.wait()
         except Exception as exc:
-            missing = [r for r in range(self.world)
-                       if self._store_get(f"{self.prefix}/arrived/{self.epoch}/{r}") is None]
-            self._fail(missing[0] if missing else None, "in the end-of-refit barrier, waiting for", exc)
+            self._fail(None, "in the end-of-refit barrier, waiting for", exc, missing=self._not_arrived)
         if int(t.item()) != self.world:
             raise RefitError(f"refit barrier counted {int(t.item())} of {self.world} ranks")
 
@@ -343,8 +359,7 @@ def _store_barrier(t: "_Named", deadline: float) -> None:
     def wait_count(counter: str, what: str) -> None:
         while int(t.store.add(counter, 0)) < t.world:
             if time.monotonic() > deadline:
-                missing = [r for r in range(t.world) if t._store_get(f"{t.prefix}/arrived/{t.epoch}/{r}") is None]
-                t._fail(missing[0] if missing else None, what, TimeoutError("deadline passed"))
+                t._fail(None, what, TimeoutError("deadline passed"), missing=t._not_arrived)
             time.sleep(0.0005)
 
     t.store.add(key, 1)
