@@ -25,6 +25,7 @@ def reference(local_slurm, tmp_path_factory):
     """The same run without interruption: its final weights are what every drill must reach."""
     res = chaos.uninterrupted(tmp_path_factory.mktemp("ref") / "run", RUN)
     assert res.finished, res
+    assert len(res.summary["final_weights_sha256"]) == 64, res.summary  # the drills compare against it
     return res
 
 

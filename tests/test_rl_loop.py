@@ -68,6 +68,7 @@ def test_tiny_mopd_three_steps_locally(tmp_path):
     _check_rollouts(run, 3, {"add_agent": "add", "mul_agent": "mul"})
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and set(summary["start"]["reverse_kl"]) == {"add", "mul", "mean"}
+    assert len(summary["final_weights_sha256"]) == 64 and int(summary["final_weights_sha256"], 16) >= 0
     # checkpoints at step 2 and the last step, keep_last=1 leaves the newest
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000003"]
     assert (run / "FINISHED").exists()

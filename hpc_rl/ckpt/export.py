@@ -51,13 +51,14 @@ def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, to
 
 def export_hf(backend, out_dir, tokenizer_dir=None, group: Optional[dist.ProcessGroup] = None,
               dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, state: Optional[Dict[str, torch.Tensor]] = None) -> Path:
     """Write the backend's full weights to `out_dir` as a HF checkpoint; every rank of a sharded
     backend calls it. `dtype` casts on the way out (e.g. torch.bfloat16 for serving; default:
-    the fp32 master weights). The directory appears atomically (written beside it, then renamed)."""
+    the fp32 master weights). The directory appears atomically (written beside it, then renamed).
+    `state`: the full state dict when the caller already gathered it (no second gather)."""
     out_dir = Path(out_dir)
     # A collective on sharded backends: every rank takes part, whichever rank writes.
-    state = backend.full_state_dict()
+    state = dict(state) if state is not None else backend.full_state_dict()
     if group is not None and dist.is_initialized() and dist.get_rank(group) != 0:
         dist.barrier(group=group)
         return out_dir

@@ -8,9 +8,10 @@ dict in the dataset's row format: {"prompt", "answer", "agent", "task"}.
 from __future__ import annotations
 
 import json
+import operator
 import random
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Union
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
 
 ADD_TEMPLATES = (
     "What is {a} plus {b}?",
@@ -37,26 +38,28 @@ WORDS = (
 )
 
 
-def addition(n: int, seed: int = 0) -> List[dict]:
-    """Two 2-digit operands (10..99): sums stay below 200."""
-    rng = random.Random(f"addition:{seed}")
+def _arithmetic(name: str, n: int, seed: int, a_range: Tuple[int, int], b_range: Tuple[int, int],
+                templates: Sequence[str], op: Callable[[int, int], int], agent: str, task: str) -> List[dict]:
+    """n rows of `op(a, b)` with a and b drawn from their ranges; one template is used as is
+    (no draw), so each generator's prompts stay what they were."""
+    rng = random.Random(f"{name}:{seed}")
     out = []
     for _ in range(n):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        prompt = rng.choice(ADD_TEMPLATES).format(a=a, b=b)
-        out.append({"prompt": prompt, "answer": str(a + b), "agent": "add_agent", "task": "addition"})
+        a, b = rng.randint(*a_range), rng.randint(*b_range)
+        template = rng.choice(templates) if len(templates) > 1 else templates[0]
+        out.append({"prompt": template.format(a=a, b=b), "answer": str(op(a, b)), "agent": agent, "task": task})
     return out
+
+
+def addition(n: int, seed: int = 0) -> List[dict]:
+    """Two 2-digit operands (10..99): sums stay below 200."""
+    return _arithmetic("addition", n, seed, (10, 99), (10, 99), ADD_TEMPLATES, operator.add, "add_agent", "addition")
 
 
 def multiplication(n: int, seed: int = 0) -> List[dict]:
     """A 2-digit operand times a 1-digit one (2..9): products stay below 900."""
-    rng = random.Random(f"multiplication:{seed}")
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(10, 99), rng.randint(2, 9)
-        prompt = rng.choice(MUL_TEMPLATES).format(a=a, b=b)
-        out.append({"prompt": prompt, "answer": str(a * b), "agent": "mul_agent", "task": "multiplication"})
-    return out
+    return _arithmetic("multiplication", n, seed, (10, 99), (2, 9), MUL_TEMPLATES, operator.mul, "mul_agent",
+                       "multiplication")
 
 
 def reverse(n: int, seed: int = 0) -> List[dict]:
@@ -73,23 +76,14 @@ def addition_1digit(n: int, seed: int = 0) -> List[dict]:
     """Single-digit sums with one short template: a 2-layer character-level model learns
     them in a few hundred steps on a CPU (2-digit sums take thousands), which is what the
     tiny teachers need. Scored as `addition`."""
-    rng = random.Random(f"addition_1digit:{seed}")
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        out.append({"prompt": f"What is {a} plus {b}?", "answer": str(a + b), "agent": "add_agent", "task": "addition"})
-    return out
+    return _arithmetic("addition_1digit", n, seed, (0, 9), (0, 9), ADD_TEMPLATES[:1], operator.add, "add_agent",
+                       "addition")
 
 
 def multiplication_1digit(n: int, seed: int = 0) -> List[dict]:
     """Single-digit products (2..9 x 2..9) with one short template. Scored as `multiplication`."""
-    rng = random.Random(f"multiplication_1digit:{seed}")
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-        out.append({"prompt": f"What is {a} times {b}?", "answer": str(a * b), "agent": "mul_agent",
-                    "task": "multiplication"})
-    return out
+    return _arithmetic("multiplication_1digit", n, seed, (2, 9), (2, 9), MUL_TEMPLATES[:1], operator.mul,
+                       "mul_agent", "multiplication")
 
 
 GENERATORS: Dict[str, Callable[[int, int], List[dict]]] = {

@@ -424,12 +424,14 @@ class RLProgram:
                 self.log.info("step %d/%d: %s", step, cfg.run.max_steps, _brief(last))
         if evals:
             self._evaluate("end", evals, cfg.run.max_steps, progress, metrics_log)
-        digest = self._weights_digest()
+        # one gather of the trained weights (a collective of the trainer ranks) serves both
+        final = self.backend.full_state_dict() if self.is_trainer else None
+        digest = _weights_digest(final) if self.is_driver else None
         if cfg.checkpoint.export_final and self.is_trainer:
             from hpc_rl.ckpt import export_hf
 
             out = export_hf(self.backend, self.ctx.run_dir / "final_hf", tokenizer_dir=cfg.model.path,
-                            group=self.ctx.groups.role, overwrite=True)
+                            group=self.ctx.groups.role, overwrite=True, state=final)
             if self.is_driver:
                 self.log.info("trained weights exported to %s (Hugging Face safetensors)", out)
         summary = None
@@ -471,21 +473,6 @@ class RLProgram:
     def _save_fits(self) -> bool:
         return save_fits(os.environ.get("HPC_RL_JOB_END"), time.time(), self.cfg.ft.save_margin_s,
                          getattr(self, "_last_save_s", None))
-
-    def _weights_digest(self) -> Optional[str]:
-        """sha256 of the trained weights (name, dtype, bytes in order): resumed runs compare equal bit for bit."""
-        import hashlib
-
-        if not self.is_trainer:
-            return None
-        state = self.backend.full_state_dict()
-        if not self.is_driver:
-            return None
-        h = hashlib.sha256()
-        for k in sorted(state):
-            h.update(k.encode())
-            h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
 
     def _sampling(self) -> Dict[str, Any]:
         s = self.cfg.generator.sampling
@@ -691,3 +678,14 @@ def _brief(rec: Dict[str, Any]) -> str:
 
 def run(ctx) -> Dict[str, Any]:
     return RLProgram(ctx).run()
+
+
+def _weights_digest(state: Dict[str, torch.Tensor]) -> str:
+    """sha256 of the trained weights (each name and its bytes, in name order): resumed runs compare equal bit for bit."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
