@@ -7,12 +7,15 @@ about to receive; times are the slowest sender's, from that start to the end-of-
 barrier (which the receiver passes only after loading). Measured, interleaved, median of
 --trials:
   raw       one flat gloo message per trainer rank with the same bytes, same pairs
+  raw_split the walk's own messages (same count and sizes, same pairs and order) cut from
+            one flat buffer: what the transport alone costs for that many messages
   transfer  the plan's walk, bytes only (no vLLM loading)
   refit     the plan's walk with vLLM loading each tensor as it completes
   load      vLLM loading the same weights from its own memory (worker-side timing)
 and reports transport efficiency = raw / transfer (goal >= 0.9) and end to end =
 refit / max(raw, load) (goal <= 1.2), the bytes the plan moves against a gather-then-
-broadcast, and where the time went on the receiver.
+broadcast, and where the time went on the receiver. raw / raw_split is the transport's own
+per-message cost; raw_split / transfer is what the walk adds on top of it.
 
 Scale part: hpc_rl.refit.cost on DeepSeek-V3 (PP16 x EP16 -> TP32 x DP8) and the
 ultra_mopd plan, GB200 NVL72 and H100 link speeds; planning time included.
@@ -76,18 +79,24 @@ def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wi
     mine = [t for _, t in endpoint.sources[rank].values()]
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in mine])  # the raw reference's one message
     store.set(f"bench/flat/{rank}", str(flat.numel()))
+    split = [m.nbytes for b in endpoint.walk.buckets for m in b.msgs if m.outgoing]  # the walk's messages, in order
+    split_flat = torch.empty(sum(split), dtype=torch.uint8)
+    split_views = list(torch.split(split_flat, split))
+    store.set(f"bench/split/{rank}", json.dumps(split))
     receiver = setup.world - 1
     i = 0
     while True:
         cmd = store.get(f"bench/cmd/{i}").decode()
         if cmd == "stop":
             break
-        if cmd in ("raw", "transfer", "refit"):
+        if cmd in ("raw", "raw_split", "transfer", "refit"):
             store.wait([f"bench/ready/{i}"], timedelta(seconds=300))
             t0 = time.perf_counter()
-            if cmd == "raw":
+            if cmd in ("raw", "raw_split"):
                 deadline = time.monotonic() + setup.timeout_s
-                transport.wait(transport.send(flat, receiver, 0), receiver, deadline, "sending the raw message to")
+                handles = [transport.send(b, receiver, 0) for b in ([flat] if cmd == "raw" else split_views)]
+                for h in handles:
+                    transport.wait(h, receiver, deadline, "sending the raw message to")
                 transport.barrier(deadline)
             else:
                 stats = endpoint.run(setup.timeout_s)
@@ -130,8 +139,9 @@ def run_local(args, transport: str = "torch") -> dict:
     gen = VLLMGenerator(str(ckpt), precision="fp32", max_model_len=256, memory_fraction=0.1, max_num_seqs=8)
     check_against_model(specs, gen.params())
     join = gen.join_refit(setup, 2, "127.0.0.1", port)
-    sizes = {r: int(store.get(f"bench/flat/{r}")) for r in range(2)}
-    rows = {"raw": [], "transfer": [], "refit": [], "load": []}
+    sizes = {r: [int(store.get(f"bench/flat/{r}"))] for r in range(2)}
+    split_sizes = {r: json.loads(store.get(f"bench/split/{r}")) for r in range(2)}
+    rows = {"raw": [], "raw_split": [], "transfer": [], "refit": [], "load": []}
     receiver = {"transfer": [], "refit": []}
     sender_stats = {"transfer": [], "refit": []}
     i = 0
@@ -139,13 +149,14 @@ def run_local(args, transport: str = "torch") -> dict:
     def senders(i: int) -> float:
         return max(float(store.get(f"bench/t/{i}/{r}")) for r in range(2))
 
-    order = ["raw", "transfer", "refit", "load"]
+    order = ["raw", "raw_split", "transfer", "refit", "load"]
     for trial in range(args.trials + 1):  # the first round warms up and is dropped
         for mode in order:
             store.set(f"bench/cmd/{i}", mode)
             ready = f"bench/ready/{i}"
-            if mode == "raw":
-                gen.llm.collective_rpc("hpc_rl_raw_receive", args=(sizes, 120.0, ready))
+            if mode in ("raw", "raw_split"):
+                gen.llm.collective_rpc("hpc_rl_raw_receive", args=(sizes if mode == "raw" else split_sizes, 120.0,
+                                                                   ready))
                 t = senders(i)
             elif mode in ("transfer", "refit"):
                 out = gen.refit(trial + 1, 120.0, load=(mode == "refit"), ready_key=ready)
@@ -177,8 +188,13 @@ def run_local(args, transport: str = "torch") -> dict:
         "bucket_mb": args.bucket_mb, "direct_kb": args.direct_kb, "trials": args.trials,
         "plan": plan.stats, "join": join,
         "seconds_median": med, "seconds_all": rows,
-        "throughput_GBps": {m: total / med[m] / 1e9 for m in ("raw", "transfer", "refit")},
+        "throughput_GBps": {m: total / med[m] / 1e9 for m in ("raw", "raw_split", "transfer", "refit")},
         "transport_efficiency": med["raw"] / med["transfer"], "transport_efficiency_goal": 0.9,
+        "messages_per_sender": {r: len(v) for r, v in split_sizes.items()},
+        # the transport's own cost of cutting the bytes into the walk's messages, and the
+        # walk's cost beyond that (1.0: the walk adds nothing to sending those messages raw)
+        "raw_over_raw_split": med["raw"] / med["raw_split"],
+        "raw_split_over_transfer": med["raw_split"] / med["transfer"],
         "end_to_end_ratio": med["refit"] / max(med["raw"], med["load"]), "end_to_end_goal": 1.2,
         "receiver_breakdown_median": {m: {k: statistics.median(r[k] for r in receiver[m])
                                           for k in ("refit_s", "stream_s", "wait_s", "post_s", "unpack_s", "load_in_stream_s", "init_s",

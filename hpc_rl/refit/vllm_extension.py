@@ -18,7 +18,7 @@ end-of-refit barrier.
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 class RefitWorkerExtension:
@@ -121,22 +121,25 @@ class RefitWorkerExtension:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
         return {"init_s": t1 - t0, "finalize_s": time.perf_counter() - t2}
 
-    def hpc_rl_raw_receive(self, sizes: Dict[int, int], timeout_s: float, ready_key: str) -> Dict[str, float]:
-        """The benchmark's reference: one flat message of `sizes[peer]` bytes from each peer,
-        all posted at once, on the refit group's own transport."""
+    def hpc_rl_raw_receive(self, sizes: Dict[int, List[int]], timeout_s: float, ready_key: str) -> Dict[str, float]:
+        """The benchmark's reference: from each peer, messages of `sizes[peer]` bytes (one flat
+        message, or the walk's own message sizes) cut from one buffer, all posted at once, on
+        the refit group's own transport."""
         import torch
 
         transport = self._hpc_rl_refit.transport
         # allocated once, like the refit's own buffers: page faults are not the transport's cost
-        sizes = {int(p): int(n) for p, n in sizes.items()}
         cache = getattr(self, "_hpc_rl_raw_bufs", {})
-        bufs = {p: cache.get(p) for p in sizes}
-        bufs = {p: (b if b is not None and b.numel() == sizes[p] else torch.empty(sizes[p], dtype=torch.uint8))
-                for p, b in bufs.items()}
-        self._hpc_rl_raw_bufs = bufs
+        msgs = []
+        for p, ns in sizes.items():
+            key = (int(p), tuple(int(n) for n in ns))
+            if key not in cache:
+                cache[key] = list(torch.split(torch.empty(sum(key[1]), dtype=torch.uint8), list(key[1])))
+            msgs += [(key[0], b) for b in cache[key]]
+        self._hpc_rl_raw_bufs = cache
         deadline = time.monotonic() + timeout_s
         t0 = time.perf_counter()
-        handles = [(p, transport.recv(b, p, 0)) for p, b in bufs.items()]
+        handles = [(p, transport.recv(b, p, 0)) for p, b in msgs]
         transport.store.set(ready_key, "1")
         for p, h in handles:
             transport.wait(h, p, deadline, "receiving the raw reference message from")
