@@ -37,6 +37,7 @@ bench: setup cluster-up
 	$(PY) bench/logprob_agreement.py
 	$(PY) bench/rl_results.py
 	$(PY) bench/faults.py
+	$(PY) bench/refit.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan, RolePlan
+from hpc_rl.runtime.identity import PORT_BASE
 
 # Variables every rank reads; pyxis needs them named to pass them into the container.
 RANK_ENV = ["HPC_RL_ROLE", "HPC_RL_RUN_DIR", "HPC_RL_JOB_ID", "HPC_RL_RESTART", "HPC_RL_MASTER_ADDR",
@@ -32,16 +33,16 @@ class RenderOptions:
     overrides: tuple = ()  # the launch overrides, replayed when a hand-submitted script plans its run
 
 
-
 # The rendezvous port, from the job id and restart count (runtime/identity.py's
 # rendezvous_port is the same arithmetic): a requeued job never meets its old store. It
 # lies below the kernel's ephemeral range, where any outgoing connection may hold a port.
 PORT_LINES = [
     "read -r eph_lo _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || eph_lo=32768",
-    "port_span=$(( eph_lo - 20000 >= 1024 ? eph_lo - 20000 : 10000 ))",
+    f"port_span=$(( eph_lo - {PORT_BASE} >= 1024 ? eph_lo - {PORT_BASE} : 10000 ))",
     'job_digits=$(echo "$SLURM_JOB_ID" | tr -cd 0-9)',
-    "export HPC_RL_MASTER_PORT=$(( 20000 + (10#${job_digits:-0} * 131 + HPC_RL_RESTART * 17) % port_span ))",
+    f"export HPC_RL_MASTER_PORT=$(( {PORT_BASE} + (10#${{job_digits:-0}} * 131 + HPC_RL_RESTART * 17) % port_span ))",
 ]
+
 
 def version_at_least(version: str, minimum: str) -> bool:
     def parts(v: str) -> List[int]:
