@@ -3,7 +3,7 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup demo test test-fast lint bench cluster-up cluster-down cluster-status golden clean
 
 setup: $(STAMP)
 
@@ -22,9 +22,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m hpc_rl.launch +recipe=tiny_mopd
 
-# All tests, with the local Slurm cluster up (tests marked `slurm` need it).
-test: setup cluster-up
+# Lint (pyflakes rules and the line length, pyproject.toml), then all tests with the local
+# Slurm cluster up (tests marked `slurm` need it).
+test: setup lint cluster-up
 	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
+
+lint: setup
+	$(PY) -m ruff check .
 
 # Tests that need neither Slurm nor a GPU.
 test-fast: setup
@@ -38,6 +42,7 @@ bench: setup cluster-up
 	$(PY) bench/rl_results.py
 	$(PY) bench/faults.py
 	$(PY) bench/refit.py
+	$(PY) bench/exchange.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up

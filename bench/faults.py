@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from hpc_rl.rundir import RunDir  # noqa: E402
 from hpc_rl.slurm import chaos  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "faults.json"
@@ -46,7 +47,7 @@ def heartbeat_detection(tmp: Path, timeout_s: float = 4.0, interval_s: float = 0
     proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=comm_check", f"run.dir={run}",
                            "ft.inject_failure=generator:0:freeze", f"ft.heartbeat_interval_s={interval_s}",
                            f"ft.heartbeat_timeout_s={timeout_s}"], capture_output=True, text=True, cwd=ROOT)
-    verdict = (run / "errors" / "dead_rank.0.txt").read_text().strip()
+    verdict = RunDir(run).dead_rank(0).read_text().strip()
     silent = float(verdict.split("for ")[1].split("s")[0])
     return {"verdict": verdict, "silent_s_at_detection": silent, "timeout_s": timeout_s, "interval_s": interval_s,
             "launcher_exit": proc.returncode, "job_seconds": round(time.monotonic() - t0, 1)}

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hpc_rl.rundir import RunDir  # noqa: E402
 from hpc_rl.slurm.executor import job_from_run_dir  # noqa: E402
 from hpc_rl.slurm.watch import follow  # noqa: E402
 
@@ -37,12 +38,12 @@ def one_launch(run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"launch failed:\n{proc.stdout}\n{proc.stderr}")
     t_cli_exit = time.time()
-    t_submitted = (run_dir / "job.json").stat().st_mtime  # written as soon as sbatch answered
+    t_submitted = RunDir(run_dir).job_meta.stat().st_mtime  # written as soon as sbatch answered
     job = job_from_run_dir(run_dir)
     state = follow(job, poll_s=0.5, timeout_s=300, echo=lambda line: None)
     if state != "COMPLETED":
         raise RuntimeError(f"job {job.job_id} ended {state}: {job.failure()}")
-    batch = (run_dir / "logs" / "batch.out").read_text()
+    batch = RunDir(run_dir).batch_log.read_text()
     t_batch = float(re.search(r"started at ([0-9.]+)", batch).group(1))
     timings = [r["timing"] for r in job.results()]
     t_started = max(t["imported"] for t in timings)

@@ -43,8 +43,8 @@ def train_one_step(trainer, tok) -> float:
     b = _batch(tok, addition(32, seed=5))
     keep = b["labels"] != -100
 
-    def loss_fn(lp):
-        m = keep.float()
+    def loss_fn(lp, rows):
+        m = keep[rows].float()
         return -(lp * m).sum() / m.sum(), {}
 
     return trainer.train_step(b["input_ids"], b["attention_mask"], loss_fn)["loss"]

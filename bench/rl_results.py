@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc_rl.rundir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "rl.json"
 
@@ -27,9 +29,10 @@ def launch(run_dir: Path, *args: str) -> dict:
                           text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"launch {args} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rd = RunDir(run_dir)
+    rows = [json.loads(x) for x in rd.metrics.read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
-    return {"wall_s": time.time() - t0, "summary": json.loads((run_dir / "summary.json").read_text()),
+    return {"wall_s": time.time() - t0, "summary": json.loads(rd.summary.read_text()),
             "per_step_token_mult_prob_error": [r["token_mult_prob_error"] for r in steps],
             "per_step_reverse_kl_mean": [r.get("reverse_kl", {}).get("mean") for r in steps],
             "per_step_reward_mean": [r.get("reward_mean") for r in steps],

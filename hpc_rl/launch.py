@@ -1,26 +1,33 @@
 """`python -m hpc_rl.launch +recipe=NAME [group=option ...] [key=value ...]`
 
 Compose the Hydra config tree, validate all of it, plan the job, and hand the plan to the
-chosen launcher. A bad config exits 2 with every problem listed and nothing submitted.
+launcher `launcher.name` selects (hpc_rl/launchers/base.py). A bad config exits 2 with
+every problem listed and nothing submitted.
+
+`--batch-plan` is for a batch script submitted by hand (slurm/sbatch.py renders the call):
+it runs on the allocation, plans the run into run.dir with the checks launcher=slurm makes
+before it submits, and exits 2 listing the violations when the config is refused. It skips
+only launcher=slurm's cluster queries (sbatch on PATH, the partition, whether roles fit):
+Slurm already accepted and allocated this job, and inside a container there is no sbatch
+to ask.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from hpc_rl.config import ConfigError, load_config, to_yaml
 from hpc_rl.config.compose import available
+from hpc_rl.config.errors import Violation
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.trace import write_launch_reads
+from hpc_rl.launchers.base import LAUNCHERS
 from hpc_rl.plan import build_plan
 from hpc_rl.plan.report import describe
-from hpc_rl.launchers.local import launch_local
-from hpc_rl.launchers.slurm import launch_slurm
-from hpc_rl.run_dir import prepare_run_dir, write_atomic
-from hpc_rl.rl.inputs import check_inputs, write_generated
-from hpc_rl.rl.records import SUMMARY, render_summary
+from hpc_rl.rundir import RunDir
 from hpc_rl.runtime import programs
-from hpc_rl.slurm.preflight import check_slurm
+from hpc_rl.slurm.sbatch import BATCH_PLAN_FLAG
 
 USAGE = """usage: python -m hpc_rl.launch +recipe=NAME [cluster=NAME] [launcher=NAME] [key=value ...]
 
@@ -30,6 +37,7 @@ USAGE = """usage: python -m hpc_rl.launch +recipe=NAME [cluster=NAME] [launcher=
 
 options:
   --show-config   print the resolved config and exit (nothing is planned or launched)
+  {batch_plan}    plan into run.dir with launcher=slurm's checks, launch nothing (for batch scripts)
   -h, --help      this text
 
 examples:
@@ -37,20 +45,43 @@ examples:
   python -m hpc_rl.launch +recipe=ultra_mopd cluster=h100 trainer.nodes=32
   python -m hpc_rl.launch +recipe=ultra_mopd launcher.plan_out=plan.json
 """
+FLAGS = ("--show-config", BATCH_PLAN_FLAG)
 
 
 def usage() -> str:
     return USAGE.format(recipes=", ".join(available("recipe")), clusters=", ".join(available("cluster")),
-                        launchers=", ".join(available("launcher")))
+                        launchers=", ".join(available("launcher")), batch_plan=BATCH_PLAN_FLAG)
 
 
-def print_summary(run_dir: Path) -> None:
-    import json
+def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
+    """What a rank could not honour, refused before anything is written: a run.program with
+    no role loops; for the RL program, the settings this version cannot run
+    (config/support.py) and its models, data and routing (rl/inputs.py, which resolves model
+    references in the returned config). Raises one ConfigError listing every problem;
+    returns the config and the RL dataset (None for other programs).
 
-    path = Path(run_dir) / SUMMARY
-    if path.exists():
-        print(render_summary(json.loads(path.read_text())))
-        print(f"  metrics: {run_dir / 'metrics.jsonl'}\n  rollouts: {run_dir / 'rollouts.h5'}\n  summary: {path}")
+    The support rules guard what the RL loop would silently ignore (backend, parallel sizes
+    it cannot build, async rollouts); run.program=comm_check reads only the layout, and
+    checking the wiring of a recipe this version cannot train yet (the flagship's) is what
+    it is for, so it is not refused for them."""
+    found: List[Violation] = []
+    if cfg.run.program not in programs.available():
+        found.append(Violation("run.program", cfg.run.program,
+                               f"this version has no role loops for it (available: {programs.available()})",
+                               "run.program=comm_check checks this job's wiring; launcher=dry_run shows its plan"))
+    dataset = None
+    if cfg.run.program == "rl":
+        from hpc_rl.config.support import unsupported
+        from hpc_rl.rl.inputs import check_inputs
+
+        found += unsupported(cfg)
+        try:
+            cfg, dataset = check_inputs(cfg)
+        except ConfigError as err:
+            found += err.violations
+    if found:
+        raise ConfigError(found)
+    return cfg, dataset
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -58,72 +89,49 @@ def main(argv: Optional[List[str]] = None) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(usage())
         return 0
-    show_config = "--show-config" in args
     flags = [a for a in args if a.startswith("--")]
-    unknown_flags = [f for f in flags if f != "--show-config"]
+    unknown_flags = [f for f in flags if f not in FLAGS]
     if unknown_flags:
         print(f"hpc_rl: unknown option(s) {unknown_flags}\n\n{usage()}", file=sys.stderr)
         return 2
+    batch_plan = BATCH_PLAN_FLAG in flags
     overrides = [a for a in args if not a.startswith("--")]
     try:
         cfg = load_config(overrides)
     except ConfigError as err:
         print(f"hpc_rl: {err.render()}", file=sys.stderr)
         return err.exit_code
-    if show_config:
+    if "--show-config" in flags:
         print(to_yaml(cfg), end="")
         return 0
 
     plan = build_plan(cfg)
-    name = cfg.launcher.name
-    if name != "dry_run" and cfg.run.program not in programs.available():
-        # refused before a run directory exists, so nothing is left behind
-        print(f"hpc_rl: invalid config: run.program={cfg.run.program!r} has no role loops in this version "
-              f"(available: {programs.available()}); nothing was submitted.\n"
-              f"      fix: run.program=comm_check checks this job's wiring; launcher=dry_run shows its plan", file=sys.stderr)
-        return 2
-    if name != "dry_run" and cfg.run.program == "rl":
-        try:
-            # models, tokenizers, dataset rows and routing, before anything starts or is written
-            cfg, dataset = check_inputs(cfg)
-        except ConfigError as err:
-            print(f"hpc_rl: {err.render()}", file=sys.stderr)
-            return err.exit_code
-        if dataset.skipped:
-            print(f"hpc_rl: {dataset.skipped} malformed rows of {dataset.path} will be skipped (data.skip_invalid): "
-                  f"first {dataset.errors[0]}", file=sys.stderr)
-    if name == "slurm":
-        try:
-            check_slurm(cfg, plan)  # before the run directory exists: a refused launch leaves nothing
-        except ConfigError as err:
-            print(f"hpc_rl: {err.render()}", file=sys.stderr)
-            return err.exit_code
-    run_dir = prepare_run_dir(cfg, plan)
-    if name != "dry_run" and cfg.run.program == "rl":
-        write_generated(cfg, run_dir)
-    if name == "slurm":
-        print(describe(cfg, plan) + "\n")
-        return launch_slurm(cfg, plan, run_dir, overrides)
-    if name == "local":
-        print(describe(cfg, plan) + "\n")
-        outcome = launch_local(plan, run_dir, grace_s=cfg.launcher.kill_grace_s)
-        if outcome.exit_code:
-            print(f"hpc_rl: run failed in {outcome.failed} after {outcome.seconds:.1f}s: {outcome.detail}\n"
-                  f"  logs: {run_dir / 'logs'}", file=sys.stderr)
-        else:
-            print(f"[local] all ranks finished in {outcome.seconds:.1f}s; run directory: {run_dir}")
-            print_summary(run_dir)
-        return outcome.exit_code
-    print(describe(cfg, plan))
-    print(f"\nrun directory: {run_dir}")
-    print(f"  {run_dir / 'config.yaml'}\n  {run_dir / 'plan.json'}")
-    if cfg.launcher.plan_out:
-        out = Path(cfg.launcher.plan_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, plan.to_json())
-        print(f"  {out}")
-    print("dry run: nothing was submitted (launcher=slurm submits this plan)")
-    return 0
+    launcher = LAUNCHERS[cfg.launcher.name]  # the schema's Literal admits registered names only
+    dataset = None
+    try:
+        if batch_plan or launcher.starts_ranks:
+            cfg, dataset = check_runnable(cfg)
+        if not batch_plan:
+            launcher.preflight(cfg, plan)  # before the run directory exists: a refused launch leaves nothing
+    except ConfigError as err:
+        print(f"hpc_rl: {err.render()}", file=sys.stderr)
+        return err.exit_code
+    if dataset is not None and dataset.skipped:
+        print(f"hpc_rl: {dataset.skipped} malformed rows of {dataset.path} will be skipped (data.skip_invalid): "
+              f"first {dataset.errors[0]}", file=sys.stderr)
+    run_dir = RunDir.create(cfg, plan)
+    if dataset is not None:
+        from hpc_rl.rl.inputs import write_generated
+
+        write_generated(cfg, run_dir.path)
+    if batch_plan:
+        print(describe(cfg, plan))
+        print(f"\nplanned into {run_dir.path}; the batch script starts the ranks")
+        code = 0
+    else:
+        code = launcher.launch(cfg, plan, run_dir, overrides)
+    write_launch_reads(run_dir.path)  # planning and launching read config keys too (config/trace.py)
+    return code
 
 
 if __name__ == "__main__":

@@ -28,6 +28,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (tests/conftest.py::local_slurm)")
     config.addinivalue_line("markers", "gpu: needs a real CUDA GPU")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "after_runs: runs after every other test (reads what their real runs left)")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    # tests/test_config_keys.py joins the config keys that the session's real runs read
+    # (config_reads/*.json under the session's temp dir): it must come after those runs.
+    # A stable sort keeps every other order as collected.
+    items.sort(key=lambda item: item.get_closest_marker("after_runs") is not None)
 
 
 @dataclass(frozen=True)

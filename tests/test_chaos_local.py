@@ -58,12 +58,14 @@ def _live_processes_of(run_dir) -> list:
     """Live processes whose environment names this run directory (vLLM's children inherit it)."""
     from pathlib import Path
 
+    from hpc_rl.runtime import env
+
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            if b"HPC_RL_RUN_DIR=" + str(run_dir).encode() + b"\0" not in (d / "environ").read_bytes():
+            if f"{env.RUN_DIR}={run_dir}".encode() + b"\0" not in (d / "environ").read_bytes():
                 continue
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from hpc_rl.config import ConfigError, load_config
+from hpc_rl.config.support import render_unsupported, unsupported
 
 ULTRA = ["+recipe=ultra_mopd"]
 
@@ -49,6 +50,7 @@ INVALID = [
     (["refit.bucket_mb=0"], "refit.bucket_mb", "must be >= 1"),
     (["refit.transport=ucx"], "refit.transport", "torch"),
     (["ft.inject_failure=trainer:0:stall@4"], "ft.inject_failure", "stall<seconds>"),
+    (["cluster.nvlink_domain_nodes=8"], "cluster.nvlink_domain_nodes", "fewer nodes than its 16 usable ones"),
 ]
 
 
@@ -114,3 +116,54 @@ def test_cli_exits_2_naming_the_key(tmp_path):
     assert "trainer.parallel.ep = 48" in proc.stderr and "fix:" in proc.stderr
     assert "nothing was submitted" in proc.stderr
     assert not any(tmp_path.iterdir()), "a refused config leaves no run directory"
+
+
+# Valid configs this version's runtime cannot honour: `unsupported` (hpc_rl/config/support.py)
+# refuses them for real launches; the dry run plans them and lists them.
+TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
+UNSUPPORTED = [
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.tp=2"], "generator.parallel.tp", "more generator ranks give more engines"),
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "one vLLM engine per generator rank"),
+    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.tp=2"], "trainer.parallel.tp", "1-D data parallel"),
+    (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.cp=2"], "teachers.add.parallel.cp", "inference only"),
+    (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
+    (TINY + ["algo.async_rollout.enabled=true"], "algo.async_rollout.enabled", "lock-step"),
+    (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
+    (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
+    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama and qwen2 checkpoints only"),
+    (ULTRA, "trainer.backend", "Megatron-core backend is not in this version"),
+    (ULTRA, "trainer.sequence_parallel", "fsdp2 backend of this version does not have"),
+    (ULTRA, "algo.async_rollout.in_flight_weight_updates", "asynchronous rollouts"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", UNSUPPORTED, ids=[" ".join(o[1:]) or k for o, k, _ in UNSUPPORTED])
+def test_unsupported_settings_are_valid_but_refused_naming_key_and_fix(overrides, key, fragment):
+    cfg = load_config(overrides)  # structurally valid: the dry run plans it
+    found = [v for v in unsupported(cfg) if v.key == key]
+    assert found and fragment in found[0].problem + " " + found[0].fix, [v.render() for v in unsupported(cfg)]
+    assert key in found[0].fix
+
+
+@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
+def test_shipped_runnable_recipes_ask_for_nothing_unsupported(recipe):
+    assert unsupported(load_config([f"+recipe={recipe}"])) == []
+
+
+def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
+    from hpc_rl.plan import build_plan
+
+    cfg = load_config(ULTRA)
+    assert build_plan(cfg).total_nodes == 224
+    keys = {v.key for v in unsupported(cfg)}
+    assert {"trainer.backend", "trainer.parallel.tp", "trainer.parallel.cp", "trainer.parallel.ep",
+            "trainer.sequence_parallel", "teachers.swe.parallel.ep", "generator.parallel.tp",
+            "model.architecture", "algo.async_rollout.enabled"} <= keys
+    text = render_unsupported(unsupported(cfg))
+    assert text.startswith("settings this version cannot run yet") and "fix: set trainer.backend=fsdp2" in text
+    assert render_unsupported([]) == ""
+
+
+def test_the_wiring_check_is_not_refused_for_training_settings():
+    # run.program=comm_check trains nothing: it checks the flagship's layout as it is
+    assert unsupported(load_config(ULTRA + ["run.program=comm_check"])) == []

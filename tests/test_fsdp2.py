@@ -32,9 +32,9 @@ def _batch():
 
 
 def _loss(mask):
-    def fn(lp):
-        m = mask.float()
-        return -(lp * m).sum() / m.sum(), {}
+    def fn(lp, rows):  # scaled to the whole batch's tokens, so micro-batches add up
+        m = mask[rows].float()
+        return -(lp * m).sum() / mask.float().sum(), {}
     return fn
 
 
@@ -108,3 +108,31 @@ def test_checkpoint_checks_name_the_problem(tiny_ckpt, tmp_path):
     (no_tok / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*not supported"):
         check_checkpoint(str(no_tok))
+
+
+def test_micro_batches_accumulate_to_the_full_batch_step(tiny_ckpt):
+    """trainer.micro_batch_size is honoured: four micro-batches of one row, each loss scaled
+    to its share, give the same step as one pass over the four rows."""
+    ids, attn = _batch()
+    full = FSDP2Backend(str(tiny_ckpt), optim=OPT)
+    m_full = full.train_step(ids, attn, _loss(attn))
+    micro = FSDP2Backend(str(tiny_ckpt), optim=OPT)
+    m_micro = micro.train_step(ids, attn, _loss(attn), micro_batch_size=1)
+    assert (m_full["micro_batches"], m_micro["micro_batches"]) == (1, 4)
+    assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5)
+    a, b = full.full_state_dict(), micro.full_state_dict()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5), name
+
+
+def test_optimizer_name_is_honoured(tiny_ckpt):
+    """adam puts weight decay into the gradient, adamw decouples it: with decay on, one
+    step of each lands on different weights, and each backend holds the named class."""
+    ids, attn = _batch()
+    states = {}
+    for name, cls in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
+        b = FSDP2Backend(str(tiny_ckpt), optim=OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
+        assert type(b.optimizer) is cls
+        b.train_step(ids, attn, _loss(attn))
+        states[name] = b.full_state_dict()
+    assert any(not torch.equal(states["adam"][k], states["adamw"][k]) for k in states["adam"])

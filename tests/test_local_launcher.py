@@ -99,6 +99,8 @@ def test_a_frozen_rank_is_found_by_heartbeats_and_every_rank_exits(tmp_path):
     verdict = (tmp_path / "run" / "errors" / "dead_rank.0.txt").read_text()
     assert verdict.startswith("generator:0 missed heartbeats for") and "ft.heartbeat_timeout_s=4" in verdict
     assert "generator:0 missed heartbeats" in proc.stderr
+    # the frozen rank is named, not a peer that exited after losing it (ft/culprit.py)
+    assert "run failed in generator:0" in proc.stderr and proc.returncode == FAILED_ROLE_EXIT_BASE + 1
     missed = float(verdict.split("for ")[1].split("s")[0])
     assert 4.0 <= missed < 6.0  # detected within one beat of the timeout
     assert seconds < 90

@@ -93,6 +93,30 @@ def test_no_complete_segments_fails_listing_nodes_per_domain():
     assert "needs 1 segments of 16 nodes" in msg and "r0: 12 nodes (0 segments)" in msg and "r1: 12 nodes" in msg
 
 
+@pytest.mark.parametrize("name,key", [("trainer", "trainer"), ("teacher/swe", "teachers.swe")])
+def test_nodes_that_are_not_whole_segments_are_refused_naming_the_key(name, key):
+    # 20 nodes in segments of 16: one segment and 4 nodes with no place (once silently dropped)
+    role = RolePlan(name, 20, 4, 4, {"tp": 8, "cp": 1, "ep": 64, "pp": 1, "dp": 1}, 16)
+    alloc = [f"r{k}-n{i:02d}" for k in range(2) for i in range(18)]
+    dmap = DomainMap({n: n.split("-")[0] for n in alloc}, "explicit")
+    with pytest.raises(PlacementError) as info:
+        place_role(role, alloc, dmap)
+    msg = str(info.value)
+    assert f"{key}.nodes=20 is not a multiple of its segment size 16" in msg
+    assert f"Set {key}.nodes to a multiple of 16 (e.g. 16)" in msg and f"{key}.segment_size" in msg
+    assert place_role(RolePlan(name, 32, 4, 4, role.parallel, 16), alloc, dmap).ordered_nodes  # whole segments place
+
+
+def test_role_config_keys_match_the_config_sections():
+    from hpc_rl.config.resources import role_sections
+    from hpc_rl.plan.job_plan import role_config_key
+
+    cfg = load_config(["+recipe=ultra_mopd"])
+    pairs = [(name, key) for name, key, _ in role_sections(cfg)]
+    assert any(name.startswith("teacher/") for name, _ in pairs)
+    assert all(role_config_key(name) == key for name, key in pairs), pairs
+
+
 def test_required_topology_without_a_source_names_the_sources_to_configure():
     plan = build_plan(load_config(["+recipe=ultra_mopd"]))
     alloc = {r.name: [f"{r.name}-{i}" for i in range(r.nodes)] for r in plan.roles}
@@ -128,7 +152,7 @@ def test_ranks_are_renumbered_so_ep_groups_sit_in_one_rack(tmp_path):
 @pytest.mark.slurm
 def test_ep_group_spanning_two_nodes_lands_on_one_rack(local_slurm, tmp_path):
     from hpc_rl.launchers.slurm import submit
-    from hpc_rl.run_dir import prepare_run_dir
+    from hpc_rl.rundir import prepare_run_dir
     from hpc_rl.slurm.preflight import check_slurm
     from hpc_rl.slurm.watch import follow
 

@@ -7,14 +7,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from hpc_rl.plan.placement import JobPlacement, RolePlacement
-from hpc_rl.rl.program import RLProgram
+from hpc_rl.rl.roles_setup import domains_for_refit
+from hpc_rl.rl.routes import Routes
 
 
-def _program(placement):
+def _ctx(placement):
     tasks = {"trainer": 4, "generator": 4}
-    return SimpleNamespace(ctx=SimpleNamespace(placement=placement), trainer_role="trainer",
-                           trainer_ranks=list(range(16)), gen_ranks=list(range(16, 24)),
-                           plan=SimpleNamespace(role=lambda r: SimpleNamespace(tasks_per_node=tasks[r])))
+    plan = SimpleNamespace(roles=[SimpleNamespace(name="trainer"), SimpleNamespace(name="generator")],
+                           role=lambda r: SimpleNamespace(tasks_per_node=tasks[r]))
+    return SimpleNamespace(placement=placement, plan=plan)
+
+
+ROUTES = Routes(trainer=list(range(16)), generators=list(range(16, 24)), envs=[])
 
 
 def test_fake_two_rack_placement_gives_each_refit_rank_its_segment_domain():
@@ -22,7 +26,7 @@ def test_fake_two_rack_placement_gives_each_refit_rank_its_segment_domain():
         "trainer": RolePlacement("trainer", 2, [f"t{i}" for i in range(4)], [], ["rack1", "rack2"]),
         "generator": RolePlacement("generator", 1, ["g0", "g1"], [], ["rack2", "rack3"]),
     })
-    dom = RLProgram._refit_domains(_program(placement))
+    dom = domains_for_refit(_ctx(placement), ROUTES)
     # trainer: 4 tasks per node, segments of 2 nodes -> ranks 0-7 in rack1, 8-15 in rack2
     assert [dom[r] for r in (0, 7, 8, 15)] == ["rack1", "rack1", "rack2", "rack2"]
     # engines (refit ranks 16..23): 4 per node, one node per segment
@@ -30,5 +34,5 @@ def test_fake_two_rack_placement_gives_each_refit_rank_its_segment_domain():
 
 
 def test_without_multi_node_segments_there_is_no_domain_map():
-    assert RLProgram._refit_domains(_program(JobPlacement("slurm", "test", {}))) is None
-    assert RLProgram._refit_domains(_program(None)) is None
+    assert domains_for_refit(_ctx(JobPlacement("slurm", "test", {})), ROUTES) is None
+    assert domains_for_refit(_ctx(None), ROUTES) is None

@@ -89,7 +89,7 @@ def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes(local_slurm, tm
     assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/mul", "env"]
     assert all(r["steps"] == 2 for r in job.results())
     _check_rollouts(run, 2, {"add_agent": "add", "mul_agent": "mul"})
-    assert "student" in (run / "logs" / "trainer.0.out").read_text() and "FSDP2 over 2 ranks" in (run / "logs" / "trainer.0.out").read_text()
+    assert "student" in (run / "logs" / "trainer.0.out").read_text() and "fsdp2 over 2 ranks" in (run / "logs" / "trainer.0.out").read_text()
 
 
 @pytest.mark.slurm

@@ -88,3 +88,58 @@ def test_relative_sqsh_path_is_rejected(image):
 def test_registry_images_and_dot_slash_paths_are_accepted():
     for image in ("nvcr.io#nvidia/pytorch:25.01-py3", "./hpc_rl.sqsh", "/lustre/hpc_rl.sqsh"):
         assert load_config(["+recipe=ultra_mopd", f"container.image='{image}'"]).container.image == image
+
+
+def _fake_slurm_bin(tmp_path):
+    """Stand-ins for srun, scontrol and squeue that only record that they were called: no
+    Slurm runs here, and these tests ask only whether the script reached them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    for tool in ("srun", "scontrol", "squeue"):
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho "{tool} $HPC_RL_ROLE $*" >> {calls}\n')
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir, calls
+
+
+def _run_hand_submitted(tmp_path, *overrides):
+    """Render a script as the shipped ones are (no run directory) and run it with bash, with
+    the variables Slurm would set for a batch script."""
+    import os
+    import sys
+
+    rendered = ["+recipe=" + overrides[0].split("=", 1)[1], *overrides[1:]]
+    cfg = load_config(rendered)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(cfg, build_plan(cfg), RenderOptions(python=sys.executable, overrides=tuple(rendered))))
+    bin_dir, calls = _fake_slurm_bin(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_RL_", "SLURM_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242")
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run_dir = tmp_path / "runs" / f"{cfg.recipe}-4242"
+    return proc, run_dir, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_hand_submitted_script_refuses_a_config_it_cannot_run_before_any_srun(tmp_path):
+    # ultra_mopd plans (the dry run shows it) but this version cannot run it: Megatron, TP/CP/EP
+    # training, no student checkpoint. launcher=slurm refuses that before it submits; a script
+    # submitted by hand must refuse it too, not start 224 nodes of ranks that fail.
+    proc, run_dir, calls = _run_hand_submitted(tmp_path, "recipe=ultra_mopd")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "nothing was submitted" in out
+    assert "trainer.backend = 'megatron'" in out and "model.path = None" in out  # support rules and input checks
+    assert calls == [], calls  # neither srun nor any other Slurm command was reached
+    assert not (run_dir / "plan.json").exists()
+
+
+def test_hand_submitted_script_plans_an_accepted_config_then_starts_each_role(tmp_path):
+    proc, run_dir, calls = _run_hand_submitted(tmp_path, "recipe=comm_check", "cluster=local_slurm")
+    out = proc.stdout + proc.stderr
+    assert (run_dir / "plan.json").exists() and (run_dir / "config.yaml").exists(), out
+    assert "name: slurm" in (run_dir / "config.yaml").read_text()  # the run records how it was launched
+    assert "comm_check on local_slurm" in out  # the plan table, in the job's output
+    started = [c.split()[1] for c in calls if c.startswith("srun ")]  # in the background: any order
+    assert sorted(started) == sorted(["trainer", "generator", "teacher/math", "env"]), calls
+    # the fake srun ran no rank, so the shell reports that and does not requeue (ft.max_restarts=0)
+    assert proc.returncode == 1 and "exited without finishing" in out

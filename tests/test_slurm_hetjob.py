@@ -13,7 +13,7 @@ import pytest
 
 from hpc_rl.config import load_config
 from hpc_rl.plan import build_plan
-from hpc_rl.run_dir import prepare_run_dir
+from hpc_rl.rundir import prepare_run_dir
 from hpc_rl.slurm.executor import job_from_run_dir
 from hpc_rl.launchers.slurm import submit
 from hpc_rl.slurm.preflight import check_slurm

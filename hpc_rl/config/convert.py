@@ -12,6 +12,7 @@ import typing
 from typing import Any, Dict, List, Tuple, Type, TypeVar, get_args, get_origin
 
 from .errors import Violation
+from .trace import stamp
 
 T = TypeVar("T")
 _SCALAR_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -115,4 +116,5 @@ def from_mapping(cls: Type[T], data: Dict[str, Any], errors: List[Violation], pr
 def to_typed(cls: Type[T], data: Dict[str, Any]) -> Tuple[T, List[Violation]]:
     errors: List[Violation] = []
     obj = from_mapping(cls, data, errors)
-    return obj, errors
+    # Paths let the schema record which keys runtime code reads (trace.py).
+    return stamp(obj), errors

@@ -5,6 +5,9 @@ turns the composed mapping into these classes, collecting every type error and u
 key instead of stopping at the first; `hpc_rl.config.validate` then checks the rules that
 span fields (parallel sizes against GPUs, routing targets, batch divisibility, ...).
 
+Every class derives from `Traced` so that runtime reads of its fields are recorded
+(hpc_rl/config/trace.py): the evidence that each key is honoured.
+
 A field whose value is `None` by default is either optional or derived by the planner
 (for example `parallel.dp`, `segment_size`), as its comment says.
 """
@@ -14,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
+from .trace import Traced
+
 Precision = Literal["bf16", "fp16", "fp32"]
 
 
 @dataclass
-class RunSection:
+class RunSection(Traced):
     """Where a run lives and how it is seeded."""
 
     name: Optional[str] = None  # defaults to the recipe's name
@@ -33,13 +38,12 @@ class RunSection:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Traced):
     """The machines: GPUs per node and how NVLink domains and switches group nodes."""
 
     name: str = "local"
     gpus_per_node: int = 0  # 0: CPU processes (this laptop-sized machine, the local Slurm)
     cpus_per_node: int = 2
-    mem_per_node_gb: int = 16
     # Nodes joined by one NVLink domain (an NVL72 rack: 18; an H100 node: 1) and how many
     # of them a job may use (NVL72 keeps 2 spares per rack, so segments are at most 16).
     nvlink_domain_nodes: int = 1
@@ -62,7 +66,7 @@ class ClusterConfig:
 
 
 @dataclass
-class SlurmOptions:
+class SlurmOptions(Traced):
     """Options of the heterogeneous sbatch script that are not the cluster's facts."""
 
     job_name: Optional[str] = None  # None: hpc_rl-<recipe>
@@ -76,7 +80,7 @@ class SlurmOptions:
 
 
 @dataclass
-class LauncherConfig:
+class LauncherConfig(Traced):
     name: Literal["slurm", "local", "dry_run"] = "dry_run"
     plan_out: Optional[str] = None  # also write plan.json here
     wait: bool = False  # slurm: block with a live status display instead of returning
@@ -86,8 +90,10 @@ class LauncherConfig:
 
 
 @dataclass
-class ModelConfig:
-    """The student model. Facts used by validation and the refit cost model."""
+class ModelConfig(Traced):
+    """The student model. `path` is what ranks load; validation checks `num_experts` against
+    expert parallel sizes; support.py refuses an `architecture` this version cannot load;
+    `name` and `params_b` are labels (support.FACTS)."""
 
     name: str = "tiny-llama"
     path: Optional[str] = None  # HF checkpoint directory or hub name
@@ -97,7 +103,7 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Traced):
     """Parallel sizes of one role. tp*cp*pp*dp must equal the role's GPUs (or CPU ranks)."""
 
     tp: int = 1
@@ -111,7 +117,7 @@ class ParallelConfig:
 
 
 @dataclass
-class RoleResources:
+class RoleResources(Traced):
     """Fields every role shares: where it runs and how it is split."""
 
     nodes: int = 1
@@ -125,7 +131,7 @@ class RoleResources:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Traced):
     name: Literal["adamw", "adam"] = "adamw"
     lr: float = 1e-6
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -135,7 +141,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(Traced):
     name: Literal["constant_with_warmup"] = "constant_with_warmup"
     warmup_steps: int = 0
     warmup_start_lr: float = 0.0  # linear ramp from this to optimizer.lr over warmup_steps
@@ -153,7 +159,7 @@ class TrainerConfig(RoleResources):
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Traced):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -187,7 +193,7 @@ class EnvConfig(RoleResources):
 
 
 @dataclass
-class RoutingConfig:
+class RoutingConfig(Traced):
     """Which teacher scores a sample: its agent (task) name -> a teacher alias."""
 
     default: Optional[str] = None  # alias for agents no slot lists
@@ -197,7 +203,7 @@ class RoutingConfig:
 
 
 @dataclass
-class OPDConfig:
+class OPDConfig(Traced):
     adv_clip: float = 20.0  # advantages clipped to [-adv_clip, adv_clip]
     # Subtract the batch's mean advantage over trained tokens (after clipping). A constant
     # baseline leaves the expected policy gradient unchanged and removes the large common
@@ -207,20 +213,20 @@ class OPDConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(Traced):
     leave_one_out: bool = False
     normalize_std: bool = True
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Traced):
     kind: Literal["ppo", "reinforce"] = "ppo"
     ratio_clip_low: float = 0.2
     ratio_clip_high: float = 0.2
 
 
 @dataclass
-class MismatchConfig:
+class MismatchConfig(Traced):
     """Correction for generation (vLLM) vs trainer logprob mismatch."""
 
     kind: Literal["none", "tis", "icepop"] = "tis"
@@ -231,14 +237,14 @@ class MismatchConfig:
 
 
 @dataclass
-class AsyncConfig:
+class AsyncConfig(Traced):
     enabled: bool = False
     max_trajectory_age_steps: int = 1
     in_flight_weight_updates: bool = False
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Traced):
     name: Literal["mopd", "grpo"] = "mopd"
     prompts_per_step: int = 8
     generations_per_prompt: int = 1
@@ -251,7 +257,7 @@ class AlgoConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Traced):
     """The prompts. A JSONL file (rows as hpc_rl/data/dataset.py describes), or synthetic
     tasks generated into the run directory when `path` is unset."""
 
@@ -266,7 +272,7 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Traced):
     every_steps: int = 10
     keep_last: int = 2
     keep_every: Optional[int] = None  # also keep every N-th step's checkpoint
@@ -277,14 +283,14 @@ class CheckpointConfig:
 
 
 @dataclass
-class ContainerConfig:
+class ContainerConfig(Traced):
     image: Optional[str] = None  # enroot .sqsh path (must start with / or ./) or registry image
     mounts: List[str] = field(default_factory=list)
     workdir: Optional[str] = None
 
 
 @dataclass
-class FaultConfig:
+class FaultConfig(Traced):
     """Failure injection for chaos tests: make one rank fail on purpose."""
 
     # "<role>:<rank>[:<how>]", e.g. "generator:0" or "teacher/general:0:freeze". how: raise
@@ -306,7 +312,7 @@ class FaultConfig:
 
 
 @dataclass
-class RefitConfig:
+class RefitConfig(Traced):
     """Trainer -> generator weight transfer (the reshard plan, hpc_rl/refit)."""
 
     # A refit that has not finished by then aborts on every side and names the peer that
@@ -317,7 +323,7 @@ class RefitConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Traced):
     recipe: Optional[str] = None  # set from the +recipe= choice
     run: RunSection = field(default_factory=RunSection)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -108,7 +108,9 @@ def check_role(out: List[Violation], cfg: RunConfig, key: str, role: RoleResourc
         out.append(Violation(seg_key, seg, f"segments of {seg} nodes do not divide the role's {role.nodes} nodes",
                              f"set {seg_key} to a divisor of {role.nodes}: {_short(_divisors(role.nodes))}"))
     if cluster.topology == "block" and seg > cluster.usable_nodes_per_domain:
-        out.append(Violation(seg_key, seg, f"a segment must fit in one NVLink domain ({cluster.usable_nodes_per_domain} usable nodes of {cluster.nvlink_domain_nodes} on {cluster.name})",
+        out.append(Violation(seg_key, seg,
+                             f"a segment must fit in one NVLink domain ({cluster.usable_nodes_per_domain} usable nodes "
+                             f"of {cluster.nvlink_domain_nodes} on {cluster.name})",
                              f"set {seg_key} <= {cluster.usable_nodes_per_domain} (and shrink the EP span or instance size to match)"))
     if cluster.topology == "tree" and cluster.leaf_switch_nodes and seg > cluster.leaf_switch_nodes:
         out.append(Violation(seg_key, seg, f"a segment must fit under one leaf switch ({cluster.leaf_switch_nodes} nodes on {cluster.name})",
@@ -117,7 +119,8 @@ def check_role(out: List[Violation], cfg: RunConfig, key: str, role: RoleResourc
         out.append(Violation(seg_key, seg, f"an EP group spans {span} nodes and must sit inside one segment",
                              f"set {seg_key} to a multiple of {span}"))
     if cluster.topology == "block" and span > cluster.usable_nodes_per_domain:
-        out.append(Violation(f"{key}.parallel.ep", p.ep, f"an EP group spans {span} nodes, more than one NVLink domain ({cluster.usable_nodes_per_domain} usable nodes)",
+        out.append(Violation(f"{key}.parallel.ep", p.ep,
+                             f"an EP group spans {span} nodes, more than one NVLink domain ({cluster.usable_nodes_per_domain} usable nodes)",
                              f"keep ep*etp <= {cluster.usable_nodes_per_domain * dpn} on {cluster.name}"))
     if isinstance(role, GeneratorConfig):
         inst = instance_span_nodes(role, cluster)
@@ -144,7 +147,9 @@ def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
         # sequence parallel further splits each chunk over tp ranks.
         unit = 2 * cp * (tp if t.sequence_parallel else 1)
         if t.max_seq_len % unit:
-            out.append(Violation("trainer.max_seq_len", t.max_seq_len, f"with cp={cp}{' and sequence parallel tp=' + str(tp) if t.sequence_parallel else ''} sequences are cut into multiples of {unit} tokens",
+            out.append(Violation("trainer.max_seq_len", t.max_seq_len,
+                                 f"with cp={cp}{' and sequence parallel tp=' + str(tp) if t.sequence_parallel else ''} "
+                                 f"sequences are cut into multiples of {unit} tokens",
                                  f"set trainer.max_seq_len to a multiple of {unit}"))
     dp = derived_dp(t, cl)
     if dp and t.micro_batch_size > 0 and t.global_batch_size % (dp * t.micro_batch_size):
@@ -205,7 +210,8 @@ def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:
             for fld in ("nodes", "gpus_per_node", "tasks_per_node", "parallel", "precision", "segment_size"):
                 if getattr(other, fld) != getattr(group.config, fld):
                     out.append(Violation(f"teachers.{alias}.{fld}", getattr(other, fld),
-                                         f"alias {alias!r} shares checkpoint {group.config.checkpoint!r} with {group.name!r}, so they share one rank group, but {fld} differs",
+                                         f"alias {alias!r} shares checkpoint {group.config.checkpoint!r} with {group.name!r}, "
+                                         f"so they share one rank group, but {fld} differs",
                                          f"set teachers.{alias}.{fld} to {getattr(group.config, fld)!r} or give it its own checkpoint"))
     if not aliases:
         return
@@ -224,7 +230,8 @@ def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:
         for agent in agents:
             for prev_pattern, prev_alias in seen.items():
                 if prev_alias != alias and (fnmatch.fnmatchcase(agent, prev_pattern) or fnmatch.fnmatchcase(prev_pattern, agent)):
-                    out.append(Violation(f"routing.agents.{alias}", agent, f"is also routed to {prev_alias!r} (by {prev_pattern!r}); each sample is scored by exactly one teacher",
+                    out.append(Violation(f"routing.agents.{alias}", agent,
+                                         f"is also routed to {prev_alias!r} (by {prev_pattern!r}); each sample is scored by exactly one teacher",
                                          f"list {agent!r} under one alias only"))
             seen[agent] = alias
 
@@ -234,7 +241,8 @@ def check_algo(out: List[Violation], cfg: RunConfig) -> None:
     _check_positive(out, "algo.prompts_per_step", a.prompts_per_step)
     _check_positive(out, "algo.generations_per_prompt", a.generations_per_prompt)
     if a.name == "grpo" and a.generations_per_prompt < 2:
-        out.append(Violation("algo.generations_per_prompt", a.generations_per_prompt, "GRPO normalises rewards within a prompt's group and needs at least 2 generations",
+        out.append(Violation("algo.generations_per_prompt", a.generations_per_prompt,
+                             "GRPO normalises rewards within a prompt's group and needs at least 2 generations",
                              "set algo.generations_per_prompt >= 2"))
     rollouts = a.prompts_per_step * a.generations_per_prompt
     gbs = cfg.trainer.global_batch_size
@@ -275,6 +283,14 @@ def check_job(out: List[Violation], cfg: RunConfig) -> None:
     if cfg.cluster.max_nodes is not None and total > cfg.cluster.max_nodes:
         out.append(Violation("cluster.max_nodes", cfg.cluster.max_nodes, f"the job needs {total} nodes",
                              "lower the roles' nodes or choose a larger cluster="))
+    cl = cfg.cluster
+    if _check_positive(out, "cluster.nvlink_domain_nodes", cl.nvlink_domain_nodes) and \
+            _check_positive(out, "cluster.usable_nodes_per_domain", cl.usable_nodes_per_domain) and \
+            cl.usable_nodes_per_domain > cl.nvlink_domain_nodes:
+        # segments are sized by the usable nodes; more of them than the domain has is a typo
+        out.append(Violation("cluster.nvlink_domain_nodes", cl.nvlink_domain_nodes,
+                             f"an NVLink domain cannot have fewer nodes than its {cl.usable_nodes_per_domain} usable ones",
+                             "set cluster.nvlink_domain_nodes >= cluster.usable_nodes_per_domain"))
     ck = cfg.checkpoint
     _check_positive(out, "checkpoint.every_steps", ck.every_steps)
     _check_positive(out, "checkpoint.keep_last", ck.keep_last)
@@ -325,7 +341,8 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         except ValueError:
             bad = True
         if bad:
-            out.append(Violation("ft.inject_failure", spec, "must be <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@save<step>] naming a role of this job",
+            out.append(Violation("ft.inject_failure", spec,
+                                 "must be <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@save<step>] naming a role of this job",
                                  f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
     ft = cfg.ft
     if ft.heartbeat_timeout_s < 0 or (ft.heartbeat_timeout_s > 0 and ft.heartbeat_interval_s <= 0):
@@ -358,7 +375,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
 
 def validate(cfg: RunConfig) -> List[Violation]:
     out: List[Violation] = []
-    for name, key, role in role_sections(cfg):
+    for _name, key, role in role_sections(cfg):
         check_role(out, cfg, key, role)
     for rule in RULES:
         rule(out, cfg)

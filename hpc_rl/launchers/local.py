@@ -1,13 +1,15 @@
 """`launcher=local`: every role's ranks as processes on this machine, through the same
-worker entry and environment contract as Slurm tasks (HPC_RL_ROLE, ranks, store address).
+worker entry and environment contract as Slurm tasks (RankEnv: role, ranks, store address).
 
 The launcher is the supervisor: when any rank exits non-zero it stops all others (each
-rank runs in its own session so its children die with it; no orphans), and its exit
-code says which role failed: 10 + the role's component index.
+rank runs in its own session so its children die with it; no orphans), names the most
+likely culprit by the scoring table of hpc_rl/ft/culprit.py, and its exit code says which
+role failed: 10 + the role's component index.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -16,9 +18,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, List, Optional
+from typing import IO, List, Optional, Sequence
 
-from hpc_rl.plan.job_plan import JobPlan, error_report_path, role_file_name
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.ft import culprit as scoring
+from hpc_rl.plan.job_plan import JobPlan
+from hpc_rl.plan.report import describe
+from hpc_rl.rundir import RunDir
+from hpc_rl.runtime.env import RankEnv
+
+from .report import print_summary
 
 FAILED_ROLE_EXIT_BASE = 10
 
@@ -65,26 +74,42 @@ def _stop(ranks: List[Rank], grace_s: float) -> None:
             r.proc.wait()
 
 
+RESTART = 0  # local runs are never requeued
+
+
+def _read(path: Path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
 def _error_line(run_dir: Path, role: str, rank: int) -> str:
-    path = error_report_path(run_dir, role, rank, 0)
-    if path.exists():
-        return path.read_text().splitlines()[0]
-    dead = run_dir / "errors" / "dead_rank.0.txt"  # heartbeats named a dead or frozen rank
-    if dead.exists():
-        return dead.read_text().splitlines()[0]
+    rd = RunDir(run_dir)
+    for path in (rd.error_report(role, rank, RESTART), rd.dead_rank(RESTART)):  # heartbeats named a dead rank
+        text = _read(path)
+        if text:
+            return text.splitlines()[0]
     return f"{role}:{rank}: no error recorded (killed?)"
 
 
-def culprit(bad: List[Rank]) -> Rank:
-    """Among failed ranks: one killed by a signal, before one that raised (often a
-    'connection reset' from losing that peer), before one that stopped on a heartbeat
-    verdict (exit 75)."""
-    from hpc_rl.runtime.heartbeat import ABORT_EXIT_CODE
+def culprit(bad: List[Rank], run_dir: Path, everyone: Sequence[Rank] = ()) -> Rank:
+    """The failed rank most likely to have caused the others' failures. A heartbeat verdict
+    naming a dead or frozen rank decides, as in the batch shell: that rank may even still be
+    running (frozen), while its peers' exits are only consequences. Otherwise the scoring
+    table of hpc_rl/ft/culprit.py judges each rank by its exit status and its own report."""
+    rd = RunDir(run_dir)
+    verdict = _read(rd.dead_rank(RESTART))
+    named = scoring.named_in_verdict(verdict) if verdict else None
+    if named is not None:
+        candidates = list(everyone) or bad
+        exact = [r for r in candidates if (r.role, r.role_rank) == named]
+        same_role = [r for r in candidates if r.role == named[0]]  # placement may have renumbered ranks
+        if exact or same_role:
+            return (exact or same_role)[0]
 
     def score(r: Rank) -> int:
-        rc = r.proc.returncode
-        killed = rc < 0 or rc >= 128  # a signal (the rank supervisor reports 128 + signal)
-        return 3 if killed else 1 if rc == ABORT_EXIT_CODE else 2
+        return scoring.score(r.proc.returncode, lambda: _read(rd.error_report(r.role, r.role_rank, RESTART)))
     return max(bad, key=score)  # max keeps the first of equals: rank order
 
 
@@ -126,17 +151,12 @@ class ProgressDisplay:
 
 def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print) -> LocalOutcome:
     run_dir = Path(run_dir)
-    logs_dir = run_dir / "logs"
+    rd = RunDir(run_dir)
+    logs_dir = rd.logs
     logs_dir.mkdir(parents=True, exist_ok=True)
-    base = dict(os.environ)
-    base.update({
-        "HPC_RL_RUN_DIR": str(run_dir),
-        "HPC_RL_JOB_ID": f"local-{os.getpid()}",
-        "HPC_RL_RESTART": "0",
-        "HPC_RL_MASTER_ADDR": "127.0.0.1",
-        "HPC_RL_MASTER_PORT": str(free_port()),
-        "PYTHONUNBUFFERED": "1",
-    })
+    job = RankEnv(run_dir=str(run_dir), job_id=f"local-{os.getpid()}", restart=RESTART, master_addr="127.0.0.1",
+                  master_port=free_port())
+    base = dict(os.environ, PYTHONUNBUFFERED="1")
     ranks: List[Rank] = []
     t0 = time.perf_counter()
 
@@ -147,14 +167,14 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for k, role in enumerate(plan.roles):
-            log = role_file_name(role.name)
-            out = open(logs_dir / f"{log}.0.out", "a")
-            err = open(logs_dir / f"{log}.0.err", "a")
+            out = open(rd.log(role.name, RESTART, "out"), "a")
+            err = open(rd.log(role.name, RESTART, "err"), "a")
             for node in range(role.nodes):
                 for local in range(role.tasks_per_node):
                     rank = node * role.tasks_per_node + local
-                    env = dict(base, HPC_RL_ROLE=role.name, HPC_RL_ROLE_RANK=str(rank), HPC_RL_ROLE_SIZE=str(role.tasks),
-                               HPC_RL_LOCAL_RANK=str(local), HPC_RL_NODE=f"local{node}")
+                    ident = dataclasses.replace(job, role=role.name, role_rank=rank, role_size=role.tasks, local_rank=local,
+                                                node=f"local{node}")
+                    env = dict(base, **ident.to_env())
                     proc = subprocess.Popen([sys.executable, "-m", "hpc_rl.runtime.worker", str(run_dir)], env=env,
                                             stdout=out, stderr=err, start_new_session=True)
                     ranks.append(Rank(role.name, k, rank, proc, [out, err]))
@@ -170,15 +190,17 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
                 first_bad = time.monotonic()
             # a moment for the peers of a dead rank to fail too, so the culprit can be told apart
             if bad and time.monotonic() - first_bad >= 2.0:
-                failed = culprit(bad)
+                failed = culprit(bad, run_dir, ranks)
                 break
             time.sleep(0.1)
         shown.close()
         if failed is None:
             bad = [r for r in ranks if r.proc.returncode != 0]
-            failed = culprit(bad) if bad else None
+            failed = culprit(bad, run_dir, ranks) if bad else None
         if failed is not None:
-            echo(f"[local] {failed.role}:{failed.role_rank} exited {failed.proc.returncode}; stopping the other ranks")
+            rc = failed.proc.poll()
+            how = f"exited {rc}" if rc is not None else "was found dead by the heartbeats (still running)"
+            echo(f"[local] {failed.role}:{failed.role_rank} {how}; stopping the other ranks")
             _stop(ranks, grace_s)
             detail = _error_line(run_dir, failed.role, failed.role_rank)
             return LocalOutcome(FAILED_ROLE_EXIT_BASE + failed.component, f"{failed.role}:{failed.role_rank}", detail,
@@ -191,3 +213,25 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
                 f.close()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+class LocalLauncher:
+    """Every role's ranks as processes here; blocks until they end. Exit 0, or 10 + the
+    failed role's component index."""
+
+    name = "local"
+    starts_ranks = True
+
+    def preflight(self, cfg: RunConfig, plan: JobPlan) -> None:
+        pass  # this machine is the cluster: nothing to ask before the run directory exists
+
+    def launch(self, cfg: RunConfig, plan: JobPlan, run_dir: RunDir, overrides: Sequence[str] = ()) -> int:
+        print(describe(cfg, plan) + "\n")
+        outcome = launch_local(plan, run_dir.path, grace_s=cfg.launcher.kill_grace_s)
+        if outcome.exit_code:
+            print(f"hpc_rl: run failed in {outcome.failed} after {outcome.seconds:.1f}s: {outcome.detail}\n"
+                  f"  logs: {run_dir.logs}", file=sys.stderr)
+        else:
+            print(f"[local] all ranks finished in {outcome.seconds:.1f}s; run directory: {run_dir.path}")
+            print_summary(run_dir.path)
+        return outcome.exit_code

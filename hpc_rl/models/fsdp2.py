@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from hpc_rl.precision import torch_dtype
+
+from .backend import BackendSpec, LossFn, Shards
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class CheckpointError(ValueError):
@@ -50,6 +53,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw: decoupled weight decay; adam: L2 penalty in the gradient
     lr: float = 1e-5
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -66,7 +70,22 @@ def lr_at(step: int, o: OptimConfig) -> float:
     return o.warmup_start_lr + (o.lr - o.warmup_start_lr) * step / o.warmup_steps
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
 class FSDP2Backend:
+    """1-D data parallel: every rank of `group` holds a Shard(0) chunk of each weight."""
+
+    @classmethod
+    def from_spec(cls, spec: BackendSpec) -> "FSDP2Backend":
+        optim = None
+        if spec.train is not None:
+            o, s = spec.train.optimizer, spec.train.scheduler
+            optim = OptimConfig(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                grad_clip=o.grad_clip, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr)
+        return cls(spec.checkpoint, group=spec.group, precision=spec.precision, optim=optim,
+                   train=spec.train is not None, device=spec.device)
+
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
                  optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu"):
         from torch.distributed.device_mesh import DeviceMesh
@@ -82,7 +101,7 @@ class FSDP2Backend:
         self.group = group
         if self.sharded:
             mesh = DeviceMesh.from_group(group, device_type=self.device.type)
-            mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -92,7 +111,9 @@ class FSDP2Backend:
         self.optimizer = None
         if train:
             o = self.optim_cfg
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
+            if o.name not in OPTIMIZERS:
+                raise ValueError(f"trainer.optimizer.name={o.name!r}: this backend has {sorted(OPTIMIZERS)}")
+            self.optimizer = OPTIMIZERS[o.name](model.parameters(), lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay)
         else:
             model.eval()
@@ -101,7 +122,15 @@ class FSDP2Backend:
     def _autocast(self):
         if self.sharded or self.precision == "fp32":
             return torch.autocast(self.device.type, enabled=False)
-        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+        return torch.autocast(self.device.type, dtype=torch_dtype(self.precision))
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.group) if self.sharded else 0
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.group) if self.sharded else 1
 
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with self._autocast():
@@ -112,23 +141,47 @@ class FSDP2Backend:
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.forward_logprobs(input_ids, attention_mask)
 
-    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_fn: Callable[[torch.Tensor], Tuple[torch.Tensor, Dict[str, float]]]) -> Dict[str, float]:
-        """One optimizer step on `loss_fn(logprobs)`; returns its metrics plus lr and grad norm."""
+    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn: LossFn,
+                   micro_batch_size: Optional[int] = None) -> Dict[str, float]:
+        """One optimizer step over these rows: forward and backward per micro-batch of
+        `micro_batch_size` rows (None: all at once), gradients accumulating in between.
+        `loss_fn(logprobs, rows)` gets the micro-batch's rows (a slice) and returns its loss
+        already scaled to its share of the step, plus metrics (averaged over micro-batches,
+        weighted by rows). Returns those metrics with the summed loss, lr and grad norm."""
         assert self.optimizer is not None, "inference-only backend (train=False) has no optimizer"
         self.model.train()
         lr = lr_at(self.step_count, self.optim_cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        loss, metrics = loss_fn(self.forward_logprobs(input_ids, attention_mask))
-        loss.backward()
+        n = input_ids.shape[0]
+        mbs = n if not micro_batch_size or micro_batch_size >= n else micro_batch_size
+        total, metrics = 0.0, {}
+        for start in range(0, n, mbs):
+            rows = slice(start, min(start + mbs, n))
+            loss, m = loss_fn(self.forward_logprobs(input_ids[rows], attention_mask[rows]), rows)
+            loss.backward()
+            total += float(loss.detach())
+            share = (rows.stop - rows.start) / n
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + share * float(v)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         # DTensor norms come back as DTensors on sharded models
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        return {**metrics, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(norm)}
+        return {**metrics, "loss": total, "lr": lr, "grad_norm": float(norm), "micro_batches": -(-n // mbs)}
+
+    @torch.no_grad()
+    def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
+               pad_id: int) -> torch.Tensor:
+        out = self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+                                  pad_token_id=pad_id)
+        return out[:, input_ids.shape[1]:].cpu()
+
+    def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's weights by HF name, on CPU (every rank gets them; for refit)."""
@@ -139,7 +192,7 @@ class FSDP2Backend:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                          broadcast_from_rank0=False))
 
-    def local_shards(self, dtype: Optional[torch.dtype] = None) -> Dict[str, Tuple[Tuple[int, ...], torch.Tensor]]:
+    def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
         """This rank's part of every weight, by HF name: (global start of its box, tensor).
         FSDP2 keeps Shard(0) chunks (torch.chunk's split); an unsharded model holds whole
         tensors. With `dtype` the shards are cast copies (refit to a bf16 engine); without,

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List
 
 from hpc_rl.config.resources import derived_dp, derived_segment, gpus_per_node, role_sections, tasks_per_node, teacher_groups
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.rundir import role_file_name  # noqa: F401  (re-exported: runtime/worker.py imports it from here)
+
+TEACHER_PREFIX = "teacher/"
 
 
-def role_file_name(role: str) -> str:
-    """A role's name in file names (logs, error reports): teacher/math -> teacher-math."""
-    return role.replace("/", "-")
-
-
-def error_report_path(run_dir: Path, role: str, rank, restart) -> Path:
-    """Where a failed rank leaves its traceback; launchers read it to name the failure."""
-    return Path(run_dir) / "errors" / f"{role_file_name(role)}.{rank}.{restart}.txt"
+def role_config_key(role: str) -> str:
+    """The config section of a role, for errors that name the key to change: trainer ->
+    trainer, teacher/<group> -> teachers.<group> (config/resources.py role_sections names
+    roles so; tests/test_placement.py checks the two agree)."""
+    if role.startswith(TEACHER_PREFIX):
+        return "teachers." + role[len(TEACHER_PREFIX):]
+    return role
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ segment (an EP group's nodes, a vLLM instance, a teacher group) sits in one NVLi
 Slurm numbers tasks in the order of its node list, which knows nothing of EP groups: a
 64-node trainer whose allocation takes 13 nodes of one rack and 3 of the next puts an
 EP group of 16 nodes across two racks. Here each role keeps only complete segments per
-domain (nodes left over are spares for a later restart), and ranks are numbered segment
-by segment, node by node, GPU by GPU. Megatron lays out expert ranks with expert tensor
+domain (allocated nodes left over are spares for a later restart; a role whose own node
+count is not whole segments is refused), and ranks are numbered segment by segment, node
+by node, GPU by GPU. Megatron lays out expert ranks with expert tensor
 parallel innermost, then expert parallel, so each EP group is a run of consecutive ranks
 and therefore lands on one segment.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-from .job_plan import JobPlan, RolePlan
+from .job_plan import JobPlan, RolePlan, role_config_key
 from .topology import NO_TOPOLOGY_FIX, DomainMap
 
 
@@ -60,6 +61,16 @@ def place_role(role: RolePlan, allocated: Sequence[str], dmap: DomainMap) -> Rol
     broken by Slurm's order, so every rank computes the same answer from the same input.
     """
     seg = role.segment_size
+    if role.nodes % seg:
+        # Whole segments only: the rest of the role's nodes would get no place and their ranks
+        # no node, so the job could not start them. Validation refuses such a config; a plan
+        # built or edited by hand reaches here, and is refused with the same fix.
+        key = role_config_key(role.name)
+        raise PlacementError(
+            f"{role.name}: {key}.nodes={role.nodes} is not a multiple of its segment size {seg} "
+            f"({role.nodes // seg} whole segments, {role.nodes % seg} nodes left over). "
+            f"Set {key}.nodes to a multiple of {seg} (e.g. {max(seg, role.nodes - role.nodes % seg)}), "
+            f"or {key}.segment_size to a divisor of {role.nodes}")
     need = role.nodes // seg
     by_domain = dmap.grouped(allocated)
     first_seen = {d: i for i, d in enumerate(by_domain)}

@@ -62,7 +62,9 @@ class VLLMGenerator:
                  memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1):
         from vllm import LLM
 
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        from hpc_rl.precision import vllm_dtype
+
+        dtype = vllm_dtype(precision)
         if tensor_parallel > 1 and not torch.cuda.is_available():
             _bind_cpu_workers(tensor_parallel)
         # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.

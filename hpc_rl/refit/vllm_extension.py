@@ -84,7 +84,8 @@ class RefitWorkerExtension:
         stats = endpoint.finish()
         if load:
             self._hpc_rl_version = version
-        return {"version": self.hpc_rl_version(), "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s, "load_in_stream_s": stats.consumer_s, **phases, "stream_s": stats.seconds, "post_s": stats.post_s, "unpack_s": stats.unpack_s,
+        return {"version": self.hpc_rl_version(), "refit_s": time.perf_counter() - t0, "wait_s": stats.wait_s, "load_in_stream_s": stats.consumer_s,
+                **phases, "stream_s": stats.seconds, "post_s": stats.post_s, "unpack_s": stats.unpack_s,
                 "bytes": stats.bytes_received, "messages": stats.messages}
 
     def hpc_rl_load_local(self) -> Dict[str, float]:

@@ -1,22 +1,81 @@
-"""Small Python objects between ranks: prompts, sampled rows, teacher scores, rewards.
+"""Small Python objects between ranks: orders, sampled rows, scores.
 
-The control-plane data of a step is kilobytes to megabytes, so it travels as pickles over
-gloo object broadcasts on the world group. Tensors that scale with the model (refit) use
-their own groups. Every rank of the group must call `share` in the same order.
+The control-plane data of a step is kilobytes to megabytes: it travels pickled, point to
+point from producer to consumer (`send` / `recv`, global ranks over the world group), or
+as one broadcast inside the group that consumes it (`share`). `routes.py` says who talks
+to whom; every message is counted per rank (`COUNTS`) so a run can report its traffic.
+Tensors that scale with the model (refit) have their own groups and transports.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import pickle
+from collections import Counter
+from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
+COUNTS: Counter = Counter()  # this rank's object messages and their bytes, sent and received
+PER_STEP: Dict[int, Dict[str, int]] = {}  # training step -> this rank's traffic from that step's start
+_last_mark: Dict[str, Any] = {"step": None, "at": Counter()}
 
-def share(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
-    """`obj` from global rank `src` to every rank of `group` (world by default)."""
-    buf = [obj]
-    dist.broadcast_object_list(buf, src=src, group=group)
-    return buf[0]
+
+def mark_step(step: int) -> None:
+    """A training step starts here on this rank: what was counted since the last mark
+    belongs to the previous step (bench/exchange.py reads these per-step figures)."""
+    if _last_mark["step"] is not None:
+        PER_STEP[_last_mark["step"]] = dict(COUNTS - _last_mark["at"])
+    _last_mark.update(step=step, at=Counter(COUNTS))
+
+
+def traffic() -> Dict[str, Any]:
+    """This rank's totals and per-step figures (the last step closes here)."""
+    mark_step(-1)
+    return {"total": dict(COUNTS), "per_step": {str(k): v for k, v in sorted(PER_STEP.items()) if k >= 0}}
+
+
+def send(obj: Any, dst: int) -> None:
+    """`obj` to global rank `dst`, which calls `recv(src=<this rank>)`."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    dist.send(torch.tensor([len(data)], dtype=torch.long), dst)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+    COUNTS["sent_messages"] += 1
+    COUNTS["sent_bytes"] += len(data)
+
+
+def recv(src: int) -> Any:
+    size = torch.zeros(1, dtype=torch.long)
+    dist.recv(size, src)
+    buf = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(buf, src)
+    COUNTS["received_messages"] += 1
+    COUNTS["received_bytes"] += int(size)
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def share(obj: Any, src: int, group: Optional[dist.ProcessGroup]) -> Any:
+    """`obj` from global rank `src` to every member of `group` (its consumers: one group
+    broadcast, counted as one message per receiving member); None group or one member:
+    nothing to share."""
+    if group is None or dist.get_world_size(group) == 1:
+        return obj
+    size = torch.zeros(1, dtype=torch.long)
+    data = None
+    if dist.get_rank() == src:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        size[0] = len(data)
+    dist.broadcast(size, src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    if data is not None:
+        receivers = dist.get_world_size(group) - 1
+        COUNTS["sent_messages"] += receivers
+        COUNTS["sent_bytes"] += receivers * len(data)
+        return obj
+    COUNTS["received_messages"] += 1
+    COUNTS["received_bytes"] += int(size)
+    return pickle.loads(buf.numpy().tobytes())
 
 
 def gather_all(obj: Any, group: dist.ProcessGroup) -> List[Any]:

@@ -132,15 +132,6 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
                                          f"add {agent!r} to routing.agents.<alias>, or set routing.default and routing.strict=false"))
         except RoutingError as e:
             out.append(Violation("routing", None, str(e), "fix routing.agents / routing.default"))
-    gp = cfg.generator.parallel
-    if gp.tp > 1 or gp.pp > 1:
-        # The refit can feed a TP>1 engine (refit/presharded.py), but the RL program starts
-        # one vLLM engine per generator rank: an engine over several ranks (vLLM's external
-        # launcher or multi-node executor inside the Slurm tasks) is not wired in yet.
-        out.append(Violation("generator.parallel", f"tp={gp.tp} pp={gp.pp}",
-                             "the RL program runs one vLLM engine (tensor parallel 1) per generator rank; "
-                             "engines spanning several ranks cannot be launched yet",
-                             "set generator.parallel.tp=1 generator.parallel.pp=1 (more generator ranks give more engines)"))
     if resolved:
         _check_resumable(out, cfg)
     if out:

@@ -21,12 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from hpc_rl.run_dir import write_atomic
-
-METRICS = "metrics.jsonl"
-ROLLOUTS = "rollouts.h5"
-PROGRESS = "progress.json"
-SUMMARY = "summary.json"
+from hpc_rl.rundir import RunDir, write_atomic
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -46,7 +41,7 @@ def _clean(v: Any) -> Any:
 
 class MetricsLog:
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / METRICS
+        self.path = RunDir(run_dir).metrics
 
     def append(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -74,7 +69,7 @@ class RolloutStore:
     """Opened per write and closed at once, so a killed run leaves a readable file."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / ROLLOUTS
+        self.path = RunDir(run_dir).rollouts
 
     @staticmethod
     def group_name(step: int) -> str:
@@ -112,7 +107,7 @@ class Progress:
     """progress.json for launchers and humans: step, phase, seconds per step, ETA."""
 
     def __init__(self, run_dir: Path, total_steps: int, first_step: int = 1):
-        self.path = Path(run_dir) / PROGRESS
+        self.path = RunDir(run_dir).progress
         self.total, self.first = total_steps, first_step
         self.t0 = time.time()
         self.steps_t0: Optional[float] = None
@@ -129,7 +124,7 @@ class Progress:
 
 
 def read_progress(run_dir: Path) -> Optional[dict]:
-    p = Path(run_dir) / PROGRESS
+    p = RunDir(run_dir).progress
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError):
@@ -177,7 +172,7 @@ def summarize(run_dir: Path, extra: Optional[Mapping[str, Any]] = None) -> dict:
             out["reward_last_steps_mean"] = sum(rewards[-k:]) / k
         out["seconds_per_step_mean"] = sum(s["timing"]["step_s"] for s in steps) / len(steps)
     out.update(extra or {})
-    _atomic_json(Path(run_dir) / SUMMARY, _clean(out))
+    _atomic_json(RunDir(run_dir).summary, _clean(out))
     return out
 
 

@@ -24,12 +24,12 @@ from typing import Callable, Dict, Optional
 
 import torch.distributed as dist
 
-ABORT_EXIT_CODE = 75  # a peer died; this rank stopped on purpose
-DEAD_RANK_FILE = "dead_rank.{restart}.txt"
+from hpc_rl.ft.culprit import STOPPED_BY_PEER_EXIT as ABORT_EXIT_CODE  # a peer died; this rank stopped on purpose
+from hpc_rl.rundir import RunDir
 
 
 def dead_rank_report(run_dir: Path, restart: int) -> Path:
-    return Path(run_dir) / "errors" / DEAD_RANK_FILE.format(restart=restart)
+    return RunDir(run_dir).dead_rank(restart)
 
 
 class Heartbeat:

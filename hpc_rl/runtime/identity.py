@@ -2,22 +2,22 @@
 
 Every task of a run starts the same worker; the launcher tells it its role through
 HPC_RL_ROLE (the batch script sets it per `srun --het-group`, the local launcher per
-process). Rank within the role, local rank and node come from Slurm (SLURM_PROCID,
-SLURM_LOCALID, SLURMD_NODENAME: one srun per role makes them role-local) or from the
-local launcher's HPC_RL_* equivalents. Global ranks follow the plan's role order, so
-every rank computes every other rank's global id without asking.
+process). Rank within the role, local rank and node come from RankEnv (runtime/env.py:
+the local launcher's HPC_RL_* variables, else Slurm's role-local equivalents). Global
+ranks follow the plan's role order, so every rank computes every other rank's global id
+without asking.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
 from hpc_rl.plan.job_plan import JobPlan
 
-ROLE = "HPC_RL_ROLE"
+from . import env
+from .env import RankEnv
 
 
 @dataclass(frozen=True)
@@ -45,38 +45,29 @@ def role_offsets(plan: JobPlan) -> Dict[str, Tuple[int, int]]:
     return out
 
 
-def _get(env: Mapping[str, str], *names: str) -> Optional[str]:
-    for n in names:
-        if env.get(n) not in (None, ""):
-            return env[n]
-    return None
-
-
-def identity_from_env(plan: JobPlan, env: Optional[Mapping[str, str]] = None) -> RankIdentity:
-    env = os.environ if env is None else env
-    role = _get(env, ROLE)
+def identity_from_env(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> RankIdentity:
+    e = RankEnv.from_env(environ)
     offsets = role_offsets(plan)
-    if role is None or role not in offsets:
-        raise RuntimeError(f"{ROLE}={role!r}: every rank needs its role from the launcher; roles of this plan: {list(offsets)}")
-    first, size = offsets[role]
-    rank = _get(env, "HPC_RL_ROLE_RANK", "SLURM_PROCID")
-    if rank is None:
-        raise RuntimeError("neither HPC_RL_ROLE_RANK nor SLURM_PROCID is set: start ranks through a launcher")
-    role_rank = int(rank)
-    ntasks = int(_get(env, "HPC_RL_ROLE_SIZE", "SLURM_NTASKS") or size)
-    if ntasks != size or not 0 <= role_rank < size:
-        raise RuntimeError(f"role {role}: the launcher started {ntasks} tasks (this is rank {role_rank}) but the plan has {size}")
+    if e.role is None or e.role not in offsets:
+        raise RuntimeError(f"{env.ROLE}={e.role!r}: every rank needs its role from the launcher; roles of this plan: {list(offsets)}")
+    first, size = offsets[e.role]
+    if e.role_rank is None:
+        raise RuntimeError(f"neither {env.ROLE_RANK} nor {env.SLURM_EQUIVALENTS[env.ROLE_RANK][0]} is set: "
+                           "start ranks through a launcher")
+    ntasks = size if e.role_size is None else e.role_size
+    if ntasks != size or not 0 <= e.role_rank < size:
+        raise RuntimeError(f"role {e.role}: the launcher started {ntasks} tasks (this is rank {e.role_rank}) but the plan has {size}")
     world = sum(n for _, n in offsets.values())
     return RankIdentity(
-        role=role,
-        role_rank=role_rank,
+        role=e.role,
+        role_rank=e.role_rank,
         role_size=size,
-        global_rank=first + role_rank,
+        global_rank=first + e.role_rank,
         world_size=world,
-        local_rank=int(_get(env, "HPC_RL_LOCAL_RANK", "SLURM_LOCALID") or 0),
-        node=_get(env, "HPC_RL_NODE", "SLURMD_NODENAME") or socket.gethostname(),
-        restart=int(_get(env, "HPC_RL_RESTART", "SLURM_RESTART_COUNT") or 0),
-        job_id=_get(env, "HPC_RL_JOB_ID", "SLURM_HET_JOB_ID", "SLURM_JOB_ID") or "local",
+        local_rank=e.local_rank or 0,
+        node=e.node or socket.gethostname(),
+        restart=e.restart or 0,
+        job_id=e.job_id or "local",
     )
 
 

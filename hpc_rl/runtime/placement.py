@@ -16,6 +16,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.plan.placement import JobPlacement, PlacementError, place_job
 from hpc_rl.plan.topology import DiscoveryInputs, NodeFacts, discover, parse_cluster_uuid
+from hpc_rl.rundir import RunDir, write_atomic
 
 from .identity import RankIdentity, role_offsets
 
@@ -45,7 +46,7 @@ def compute_placement(cfg: RunConfig, plan: JobPlan, announced: Dict[int, dict],
     allocated = {role: list(dict.fromkeys(a["node"] for a in sorted(rows, key=lambda a: a["role_rank"])))
                  for role, rows in by_role.items()}
     facts = {a["node"]: NodeFacts(a.get("topology_addr"), a.get("cluster_uuid")) for a in announced.values()}
-    topo_file = run_dir / f"topology.{restart}.txt"
+    topo_file = RunDir(run_dir).topology(restart)
     inputs = DiscoveryInputs(
         nodes=[a["node"] for _, a in sorted(announced.items())],
         facts=facts,
@@ -79,8 +80,6 @@ def placed_identity(ident: RankIdentity, mapping: Dict[int, int], plan: JobPlan)
 
 
 def write_report(run_dir: Path, restart: int, placement: JobPlacement) -> Path:
-    path = run_dir / f"placement.{restart}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(placement.to_dict(), indent=2) + "\n")
-    os.replace(tmp, path)
+    path = RunDir(run_dir).placement(restart)
+    write_atomic(path, json.dumps(placement.to_dict(), indent=2) + "\n")
     return path

@@ -12,7 +12,7 @@ def _comm_check() -> Callable:
 
 
 def _rl() -> Callable:
-    from hpc_rl.rl.program import run
+    from hpc_rl.rl.loop import run
 
     return run
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-MARK = "HPC_RL_SUPERVISED"
+from .env import SUPERVISED as MARK  # set to 1 in the child, so it runs the rank instead of supervising
 
 
 def is_child() -> bool:

@@ -16,7 +16,9 @@ import sys
 import time
 
 if __name__ == "__main__":  # when this rank's interpreter started, before heavy imports (launch benchmark)
-    os.environ.setdefault("HPC_RL_T_START", repr(time.time()))  # the supervisor's start, if any
+    from hpc_rl.runtime.env import T_START
+
+    os.environ.setdefault(T_START, repr(time.time()))  # the supervisor's start, if any
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -25,13 +27,18 @@ from omegaconf import OmegaConf
 
 from hpc_rl.config.convert import to_typed
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.plan.job_plan import JobPlan
+from hpc_rl.config.trace import write_rank_reads
+from hpc_rl.plan.job_plan import JobPlan, role_file_name
 
-from .identity import RankIdentity, identity_from_env, rendezvous_port
+from hpc_rl.rundir import RunDir
+
+from . import env
+from .env import RankEnv
 from .faults import maybe_inject
-
-FINISHED = "FINISHED"
+from .identity import RankIdentity, identity_from_env, rendezvous_port
 from .programs import PROGRAMS
+
+FINISHED = RunDir.FINISHED  # kept for importers of this name; the path is RunDir(run_dir).finished
 
 
 @dataclass
@@ -61,12 +68,13 @@ class RankContext:
 
 
 def load_run(run_dir: Path) -> tuple:
-    data = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    rd = RunDir(run_dir)
+    data = OmegaConf.to_container(OmegaConf.load(rd.config), resolve=True)
     cfg, errors = to_typed(RunConfig, data)
     if errors:
-        raise RuntimeError(f"{run_dir / 'config.yaml'} does not match this version's schema: "
+        raise RuntimeError(f"{rd.config} does not match this version's schema: "
                            + "; ".join(v.render() for v in errors))
-    plan = JobPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    plan = JobPlan.from_dict(json.loads(rd.plan.read_text()))
     return cfg, plan
 
 
@@ -92,7 +100,7 @@ def start_heartbeat(cfg: RunConfig, plan: JobPlan, ident: RankIdentity, run_dir:
                      progress_timeout_s=cfg.ft.progress_timeout_s).start()
 
 
-def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
+def run_rank(run_dir: str, environ: Optional[dict] = None) -> Any:
     from .groups import build_groups, configure_device  # imports torch: most of a rank's start-up
     from .placement import compute_placement, node_facts, placed_identity, write_report
     from .rendezvous import connect_store, rendezvous
@@ -100,14 +108,15 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     t_imported = time.time()
 
     run_path = Path(run_dir)
+    rd = RunDir(run_path)
     cfg, plan = load_run(run_path)
-    ident = identity_from_env(plan, env)
+    ident = identity_from_env(plan, environ)
     log = rank_logger(ident)
     role = plan.role(ident.role)
     device = configure_device(ident, role.gpus_per_node, cfg.cluster.cpus_per_node, role.tasks_per_node)
-    environ = os.environ if env is None else env
-    addr = environ.get("HPC_RL_MASTER_ADDR", "127.0.0.1")
-    port = int(environ.get("HPC_RL_MASTER_PORT") or rendezvous_port(ident.job_id, ident.restart))
+    launched = RankEnv.from_env(environ)
+    addr = launched.master_addr or "127.0.0.1"
+    port = launched.master_port or rendezvous_port(ident.job_id, ident.restart)
     timeout = float(cfg.run.rendezvous_timeout_s)
     log.info("starting %s on %s; rendezvous at %s:%d (restart %d)", ident, device, addr, port, ident.restart)
     t0 = time.perf_counter()
@@ -116,8 +125,8 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
     placement, mapping = compute_placement(cfg, plan, announced, run_path, ident.restart)
     ident = placed_identity(ident, mapping, plan)
     # results and error reports are filed under the placed ranks
-    os.environ["HPC_RL_PLACED_RANK"] = str(ident.global_rank)
-    os.environ["HPC_RL_PLACED_ROLE_RANK"] = str(ident.role_rank)
+    os.environ[env.PLACED_RANK] = str(ident.global_rank)
+    os.environ[env.PLACED_ROLE_RANK] = str(ident.role_rank)
     if placement.roles or ident.global_rank == 0:
         log.info("placement: topology source %s (%s); %s", placement.source, placement.detail,
                  "; ".join(f"{r}: segments in {sorted(set(p.segment_domains))}" for r, p in placement.roles.items())
@@ -126,7 +135,7 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
         write_report(run_path, ident.restart, placement)
     groups = build_groups(store, ident, plan, timeout)
     log.info("rendezvoused with %d ranks in %.2fs", ident.world_size, time.perf_counter() - t0)
-    timing = {"process_start": float(environ.get("HPC_RL_T_START") or t_imported), "imported": t_imported,
+    timing = {"process_start": launched.t_start or t_imported, "imported": t_imported,
               "rendezvoused": time.time()}
     heartbeat = start_heartbeat(cfg, plan, ident, run_path, addr, port, log)
     maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart)
@@ -137,7 +146,7 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
         result = PROGRAMS[cfg.run.program]()(ctx)
     except BaseException as exc:
         if getattr(exc, "no_retry", False):  # the batch shell does not requeue what cannot succeed
-            fatal = run_path / "errors" / f"fatal.{ident.restart}.txt"
+            fatal = rd.fatal(ident.restart)
             fatal.parent.mkdir(parents=True, exist_ok=True)
             fatal.write_text(f"{ident.role}:{ident.role_rank}: {type(exc).__name__}: {exc}\n")
         if heartbeat is not None:
@@ -146,10 +155,12 @@ def run_rank(run_dir: str, env: Optional[dict] = None) -> Any:
             if verdict:
                 log.error("%s", verdict)
         raise
+    finally:  # the evidence that config keys are honoured (config/trace.py, tests/test_config_keys.py)
+        write_rank_reads(run_path, role_file_name(ident.role), ident.role_rank, ident.restart)
     ctx.finish()
     if ident.global_rank == 0 and not (isinstance(result, dict) and "stopped_after" in result):
         # the run is complete: the batch shell never requeues it, a resubmission does nothing
-        (run_path / FINISHED).write_text(f"{time.time()}\n")
+        rd.finished.write_text(f"{time.time()}\n")
     _shutdown()
     return result
 

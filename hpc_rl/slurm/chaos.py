@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+from hpc_rl.rundir import RunDir
+
 from .executor import job_from_run_dir
 
 
@@ -58,7 +60,7 @@ def squeue_state(job_id: str) -> Optional[tuple]:
 
 
 def steps_done(run_dir: Path) -> int:
-    p = Path(run_dir) / "metrics.jsonl"
+    p = RunDir(run_dir).metrics
     if not p.exists():
         return 0
     return sum(1 for line in p.read_text().splitlines() if '"kind": "step"' in line)
@@ -81,7 +83,7 @@ def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = T
     while time.monotonic() - t0 < timeout_s:
         st = squeue_state(job_id)
         if st is None:
-            exit_path = Path(run_dir) / "job_exit.json"
+            exit_path = RunDir(run_dir).job_exit
             if exit_path.exists():
                 ex = json.loads(exit_path.read_text())
                 if not ex.get("requeued"):
@@ -103,11 +105,10 @@ def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = T
 
 
 def result(run_dir: Path, job_id: str, state: str, t0: float, events: Optional[dict] = None) -> DrillResult:
-    run_dir = Path(run_dir)
-    restarts = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()] \
-        if (run_dir / "restarts.jsonl").exists() else []
-    job_exit = json.loads((run_dir / "job_exit.json").read_text()) if (run_dir / "job_exit.json").exists() else {}
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    rd = RunDir(run_dir)
+    restarts = [json.loads(x) for x in rd.restarts.read_text().splitlines()] if rd.restarts.exists() else []
+    job_exit = json.loads(rd.job_exit.read_text()) if rd.job_exit.exists() else {}
+    summary = json.loads(rd.summary.read_text()) if rd.summary.exists() else {}
     return DrillResult(state, time.monotonic() - t0, job_id, restarts, job_exit, summary, events or {})
 
 
@@ -144,7 +145,7 @@ def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, time
     job = launch_stalled(run_dir, overrides, after_steps, timeout_s)
     t_sig = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
-    stopped = Path(run_dir) / "stopped.0.json"
+    stopped = RunDir(run_dir).stopped(0)
     wait_for(stopped.exists, 300, "the ranks to save and stop", explain=lambda: explain(run_dir, job))
     saved = json.loads(stopped.read_text())
     # signal -> checkpoint includes the rest of the (stalled) step; the save alone is save_s
@@ -165,12 +166,11 @@ def external_requeue(run_dir: Path, overrides: Sequence[str], after_steps: int, 
 
 def explain(run_dir: Path, job_id: str) -> str:
     """What a drill that timed out saw: the job's state and the run's own records."""
-    run_dir = Path(run_dir)
+    rd = RunDir(run_dir)
     lines = [f"job {job_id}: {squeue_state(job_id) or 'no longer listed'}; {steps_done(run_dir)} steps recorded"]
-    for name in ("restarts.jsonl", "job_exit.json", "logs/batch.out"):
-        p = run_dir / name
+    for p in (rd.restarts, rd.job_exit, rd.batch_log):
         if p.exists():
-            lines.append(f"{name}: {p.read_text()[-1500:].strip()}")
-    for p in sorted((run_dir / "errors").glob("*.txt")):  # none when the directory is absent
-        lines.append(f"errors/{p.name}: {p.read_text()[:500].strip()}")
+            lines.append(f"{p.relative_to(rd.path)}: {p.read_text()[-1500:].strip()}")
+    for p in sorted(rd.errors.glob("*.txt")):  # none when the directory is absent
+        lines.append(f"{p.relative_to(rd.path)}: {p.read_text()[:500].strip()}")
     return "\n".join(lines)

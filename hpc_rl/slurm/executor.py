@@ -22,6 +22,7 @@ from submitit.core import utils as submitit_utils
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
+from hpc_rl.rundir import RunDir
 from hpc_rl.runtime.identity import role_offsets
 from hpc_rl.runtime.results import submitit_folder
 
@@ -89,7 +90,7 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
 
     def _exit_record(self, job_id: str) -> tp.Optional[dict]:
         run_dir = self.run_dirs.get(job_id)
-        path = run_dir / "job_exit.json" if run_dir else None
+        path = RunDir(run_dir).job_exit if run_dir else None
         if path is None or not path.exists():
             return None
         try:
@@ -227,8 +228,8 @@ class HetSlurmExecutor(submitit_core.PicklingExecutor):
         job.attach(self.plan, self.run_dir)
         # keep the script beside the run for users and requeues
         if self.last_script is not None:
-            (self.run_dir / "job.sbatch").write_text(self.last_script)
-        (self.run_dir / "job.json").write_text(json.dumps({
+            RunDir(self.run_dir).job_script.write_text(self.last_script)
+        RunDir(self.run_dir).job_meta.write_text(json.dumps({
             "job_id": job.job_id,
             "components": {role: f"{job.job_id}+{k}" for k, role in enumerate(job.roles)},
             "submitit_folder": str(self.folder),
@@ -239,7 +240,7 @@ class HetSlurmExecutor(submitit_core.PicklingExecutor):
 def job_from_run_dir(run_dir: Path) -> HetJob:
     """Reattach to a submitted run (for watch/cancel commands in another process)."""
     run_dir = Path(run_dir)
-    meta = json.loads((run_dir / "job.json").read_text())
-    plan = JobPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    meta = json.loads(RunDir(run_dir).job_meta.read_text())
+    plan = JobPlan.from_dict(json.loads(RunDir(run_dir).plan.read_text()))
     tasks = range(sum(r.tasks for r in plan.roles))
     return HetJob(meta["submitit_folder"], meta["job_id"], tasks=tasks).attach(plan, run_dir)

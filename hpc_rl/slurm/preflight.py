@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 from hpc_rl.config.errors import ConfigError, Violation
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.plan.job_plan import JobPlan
+from hpc_rl.plan.job_plan import JobPlan, role_config_key
 
 
 def partitions() -> Tuple[Dict[str, int], Optional[str]]:
@@ -46,7 +46,7 @@ def check_slurm(cfg: RunConfig, plan: JobPlan) -> str:
     have = nodes[part]
     for role in plan.roles:
         if role.nodes > have:
-            key = "teachers." + role.name.split("/", 1)[1] if role.name.startswith("teacher/") else role.name
+            key = role_config_key(role.name)
             out.append(Violation(f"{key}.nodes", role.nodes, f"partition {part!r} has {have} nodes",
                                  f"set {key}.nodes <= {have} or use a larger partition (cluster.partition=...)"))
     need = plan.total_nodes if cfg.cluster.exclusive else max(r.nodes for r in plan.roles)

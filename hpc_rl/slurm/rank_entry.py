@@ -13,11 +13,15 @@ import sys
 import time
 
 if __name__ == "__main__":  # when this task's interpreter started, before heavy imports (launch benchmark)
-    os.environ.setdefault("HPC_RL_T_START", repr(time.time()))  # the supervisor's start, if any
+    from hpc_rl.runtime.env import T_START
+
+    os.environ.setdefault(T_START, repr(time.time()))  # the supervisor's start, if any
 from pathlib import Path
 
 from submitit.core import utils as submitit_utils
 
+from hpc_rl.runtime import env
+from hpc_rl.runtime.env import RankEnv
 from hpc_rl.runtime.results import run_and_record, submitit_folder
 from hpc_rl.runtime.worker import run_rank
 
@@ -30,9 +34,13 @@ def main(argv=None) -> int:
         print("usage: python -m hpc_rl.slurm.rank_entry RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0])
-    if os.environ.get("HPC_RL_PICKLED") != "1":
+    launched = RankEnv.from_env()
+    if not launched.pickled:
         return run_and_record(run_dir, lambda: run_rank(str(run_dir)))
-    job_id = os.environ.get("HPC_RL_JOB_ID") or os.environ["SLURM_JOB_ID"]
+    if launched.job_id is None:
+        print(f"hpc_rl: {env.PICKLED}=1 but neither {env.JOB_ID} nor Slurm's job id is set", file=sys.stderr)
+        return 2
+    job_id = launched.job_id
     pickle = submitit_utils.JobPaths(submitit_folder(run_dir), job_id=job_id).submitted_pickle
 
     def call():

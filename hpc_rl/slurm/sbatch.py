@@ -5,9 +5,13 @@ have no `scontrol`), starts one `srun --het-group=<k>` per role in the backgroun
 waits; when one role fails it stops the others and exits non-zero naming the role, so a
 dead rank never leaves the rest of a 224-node allocation hanging on a collective.
 
+Every run-directory path comes from hpc_rl/rundir.py, every HPC_RL_* name from
+hpc_rl/runtime/env.py and the culprit scoring from hpc_rl/ft/culprit.py: the script holds
+no second copy of those facts.
+
 Scripts rendered without a run directory (the shipped `sbatch/` files) are for users who
 submit by hand: they create their run directory on first start by planning the recipe
-they were rendered from.
+they were rendered from, with the checks launcher=slurm makes before it submits.
 """
 
 from __future__ import annotations
@@ -17,12 +21,17 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.ft import culprit
 from hpc_rl.plan.job_plan import JobPlan, RolePlan
+from hpc_rl.rundir import RunDir, shell_role_file_name
+from hpc_rl.runtime import env
 from hpc_rl.runtime.identity import PORT_BASE
 
-# Variables every rank reads; pyxis needs them named to pass them into the container.
-RANK_ENV = ["HPC_RL_ROLE", "HPC_RL_RUN_DIR", "HPC_RL_JOB_ID", "HPC_RL_RESTART", "HPC_RL_MASTER_ADDR",
-            "HPC_RL_MASTER_PORT", "HPC_RL_PICKLED"]
+# The run directory as the batch shell names it: every path below comes from RunDir.
+SH = RunDir("$RUN_DIR")
+RESTART_WORD = f"${env.RESTART}"
+# launch.py's flag that plans a hand-submitted script's run with launcher=slurm's checks
+BATCH_PLAN_FLAG = "--batch-plan"
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ PORT_LINES = [
     "read -r eph_lo _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || eph_lo=32768",
     f"port_span=$(( eph_lo - {PORT_BASE} >= 1024 ? eph_lo - {PORT_BASE} : 10000 ))",
     'job_digits=$(echo "$SLURM_JOB_ID" | tr -cd 0-9)',
-    f"export HPC_RL_MASTER_PORT=$(( {PORT_BASE} + (10#${{job_digits:-0}} * 131 + HPC_RL_RESTART * 17) % port_span ))",
+    f"export {env.MASTER_PORT}=$(( {PORT_BASE} + (10#${{job_digits:-0}} * 131 + {env.RESTART} * 17) % port_span ))",
 ]
 
 
@@ -89,7 +98,7 @@ def header_options(cfg: RunConfig, run_dir: Optional[str]) -> List[str]:
     sl = cfg.launcher.slurm
     opts = [f"--job-name={sl.job_name or 'hpc_rl-' + (cfg.recipe or 'run')}"]
     # The batch shell's own log: in the run directory when known, else beside the submit dir.
-    out = f"{run_dir}/logs/batch.out" if run_dir else f"hpc_rl-{cfg.recipe}-%j.out"
+    out = str(RunDir(run_dir).batch_log) if run_dir else f"hpc_rl-{cfg.recipe}-%j.out"
     opts += [f"--output={out}", "--open-mode=append"]
     if sl.requeue:
         opts.append("--requeue")
@@ -110,7 +119,7 @@ def container_flags(cfg: RunConfig) -> List[str]:
         f'--container-mounts="{",".join(mounts)}"',
         f'--container-workdir="{c.workdir or "$RUN_DIR"}"',
         "--no-container-mount-home",
-        f"--container-env={','.join(RANK_ENV)}",
+        f"--container-env={','.join(env.CONTAINER_ENV)}",
     ]
 
 
@@ -140,61 +149,81 @@ def render(cfg: RunConfig, plan: JobPlan, options: RenderOptions = RenderOptions
     return "\n".join(lines) + "\n"
 
 
+def _role_reports(var: str) -> str:
+    """The quoted glob of every error report, this restart, of the role whose file name is in
+    bash variable `var` ('*' stays outside the quotes so it expands)."""
+    glob = str(SH.error_report(f"${var}", "*", RESTART_WORD))
+    return '"' + '"*"'.join(glob.split("*")) + '"'
+
+
+def _bootstrap(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) -> List[str]:
+    """A script rendered without a run directory plans its run on first start, running the
+    checks launcher=slurm runs before it submits (launch.py --batch-plan): a refused config
+    ends the job here, its violations in the job's output, before any srun starts a rank."""
+    q = shlex.quote
+    replay = " ".join(q(o) for o in options.overrides if not o.startswith(("launcher=", "run.dir=")))
+    # In a container, hpc_rl lives in the image: plan from inside it, on one task.
+    runner = ""
+    if cfg.container.image:
+        runner = "srun --het-group=0 --nodes=1 --ntasks=1 " + " ".join(container_flags(cfg)) + " "
+    return [
+        "# Submitted by hand: plan the run into RUN_DIR on first start (a requeue finds it there), checked",
+        "# as launcher=slurm checks before it submits; a refused config ends the job here, before any rank starts.",
+        'if [ ! -f "$PLAN_FILE" ]; then',
+        '    mkdir -p "$RUN_DIR"',
+        f'    {runner}{python} -m hpc_rl.launch {BATCH_PLAN_FLAG} {replay} launcher=slurm run.dir="$RUN_DIR" || exit 2',
+        "fi",
+    ]
+
+
 def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) -> List[str]:
     q = shlex.quote
     grace = cfg.launcher.kill_grace_s
+    R = RESTART_WORD
     if options.run_dir:
         run_dir_line = f"RUN_DIR={q(options.run_dir)}"
         bootstrap: List[str] = []
     else:
-        run_dir_line = f'RUN_DIR="${{HPC_RL_RUN_DIR:-$SLURM_SUBMIT_DIR/runs/{plan.recipe}-$SLURM_JOB_ID}}"'
-        replay = " ".join(q(o) for o in options.overrides if not o.startswith(("launcher=", "run.dir=")))
-        # In a container, hpc_rl lives in the image: plan from inside it, on one task.
-        runner = ""
-        if cfg.container.image:
-            runner = "srun --het-group=0 --nodes=1 --ntasks=1 " + " ".join(container_flags(cfg)) + " "
-        bootstrap = [
-            "# Submitted by hand: plan the run into RUN_DIR on first start (a requeue finds it there).",
-            'if [ ! -f "$RUN_DIR/plan.json" ]; then',
-            '    mkdir -p "$RUN_DIR"',
-            f'    {runner}{python} -m hpc_rl.launch {replay} launcher=dry_run run.dir="$RUN_DIR" >/dev/null || exit 2',
-            "fi",
-        ]
+        run_dir_line = f'RUN_DIR="${{{env.RUN_DIR}:-$SLURM_SUBMIT_DIR/runs/{plan.recipe}-$SLURM_JOB_ID}}"'
+        bootstrap = _bootstrap(cfg, plan, options, python)
     entry = "hpc_rl.slurm.rank_entry"
     body = [
         "set -uo pipefail",
         run_dir_line,
+        f'export {env.RESTART}="${{SLURM_RESTART_COUNT:-0}}"',
+        "# The run directory's files this shell reads and writes (hpc_rl/rundir.py names them).",
+        *SH.shell_lines(R),
         *bootstrap,
-        'if [ -f "$RUN_DIR/FINISHED" ]; then  # a finished run is never run (or requeued) again',
+        'if [ -f "$FINISHED_FILE" ]; then  # a finished run is never run (or requeued) again',
         '    echo "hpc_rl: $RUN_DIR already finished; nothing to do"; exit 0',
         "fi",
-        'mkdir -p "$RUN_DIR/logs"',
-        "export HPC_RL_RUN_DIR=\"$RUN_DIR\"",
-        "export HPC_RL_JOB_ID=\"$SLURM_JOB_ID\"",
-        "export HPC_RL_RESTART=\"${SLURM_RESTART_COUNT:-0}\"",
-        f"export HPC_RL_PICKLED={1 if options.pickled else 0}",
+        'mkdir -p "$LOG_DIR"',
+        f'export {env.RUN_DIR}="$RUN_DIR"',
+        f'export {env.JOB_ID}="$SLURM_JOB_ID"',
+        f"export {env.PICKLED}={1 if options.pickled else 0}",
         "# Ranks meet on a TCPStore hosted by trainer rank 0, the first task of component 0.",
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)',
         'node_addr=$(scontrol show node "$first_node" 2>/dev/null | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
-        'export HPC_RL_MASTER_ADDR="${node_addr:-$first_node}"',
+        f'export {env.MASTER_ADDR}="${{node_addr:-$first_node}}"',
         *PORT_LINES,
         "# The switch/block topology for the ranks' placement (containers have no scontrol).",
-        'scontrol show topology > "$RUN_DIR/topology.$HPC_RL_RESTART.txt" 2>/dev/null || true',
-        'echo "hpc_rl: job $SLURM_JOB_ID restart $HPC_RL_RESTART started at $(date +%s.%N), run dir $RUN_DIR, store $HPC_RL_MASTER_ADDR:$HPC_RL_MASTER_PORT"',
+        'scontrol show topology > "$TOPOLOGY_FILE" 2>/dev/null || true',
+        f'echo "hpc_rl: job $SLURM_JOB_ID restart {R} started at $(date +%s.%N), run dir $RUN_DIR, '
+        f'store ${env.MASTER_ADDR}:${env.MASTER_PORT}"',
         "",
         "# The job's end (epoch seconds): ranks start no checkpoint save that cannot finish before it.",
         'end_time=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null | head -n 1)',
-        'export HPC_RL_JOB_END=$(date -d "$end_time" +%s 2>/dev/null || true)',
+        f'export {env.JOB_END}=$(date -d "$end_time" +%s 2>/dev/null || true)',
         "",
         "# Time limit near (USR1, --signal=B:USR1@grace): ask the ranks to save and stop; requeue below.",
         "trap 'echo \"hpc_rl: USR1 received at $(date +%s.%N): asking the ranks to save and stop\"; "
-        "echo \"time limit near (USR1)\" > \"$RUN_DIR/.save_request.$HPC_RL_RESTART\"' USR1",
+        "echo \"time limit near (USR1)\" > \"$SAVE_REQUEST_FILE\"' USR1",
         "",
         "roles=(); pids=()",
         "start_role() {  # start_role <het group> <role>",
-        "    local k=$1 role=$2 log=${2//\\//-}",
-        "    HPC_RL_ROLE=$role srun --het-group=\"$k\" --kill-on-bad-exit=1 --open-mode=append \\",
-        "        --output=\"$RUN_DIR/logs/$log.$HPC_RL_RESTART.out\" --error=\"$RUN_DIR/logs/$log.$HPC_RL_RESTART.err\" \\",
+        f"    local k=$1 role=$2 log={shell_role_file_name('2')}",
+        f"    {env.ROLE}=$role srun --het-group=\"$k\" --kill-on-bad-exit=1 --open-mode=append \\",
+        f"        --output=\"{SH.log('$log', R, 'out')}\" --error=\"{SH.log('$log', R, 'err')}\" \\",
     ]
     flags = container_flags(cfg)
     if flags:
@@ -221,19 +250,12 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "    for pid in \"${pids[@]}\"; do [ -n \"$pid\" ] && kill -KILL \"$pid\" 2>/dev/null; done",
         "}",
         "",
-        "# The culprit among the roles that failed close together: one killed by a signal (srun",
-        "# exit >= 128), before one that raised its own error, before one that only lost a peer",
-        "# ('connection reset': a consequence), before one that stopped on a heartbeat verdict",
-        "# (exit 75). A killed rank's step can end seconds after its peers' (its children exit",
-        "# late), so while only consequences have failed the choice waits, up to 20 s.",
-        "consequence() {  # consequence <role>: its error report says it lost a peer",
-        "    grep -qsE 'Connection (reset|closed)|Broken pipe|peer' \"$RUN_DIR\"/errors/\"${1//\\//-}\".*.\"$HPC_RL_RESTART\".txt",
-        "}",
-        "score_of() {  # score_of <index>",
-        "    local rc=${rcs[$1]:-0}",
-        "    if [ \"$rc\" -eq 0 ]; then echo -1; elif [ \"$rc\" -ge 128 ]; then echo 3; elif [ \"$rc\" -eq 75 ]; then echo 0;",
-        "    elif consequence \"${roles[$1]}\"; then echo 1; else echo 2; fi",
-        "}",
+        "# The culprit among the roles that failed close together, by the scoring table of",
+        "# hpc_rl/ft/culprit.py: killed by a signal, before raised its own error, before only lost",
+        "# a peer, before stopped on a heartbeat verdict. A killed rank's step can end seconds after",
+        "# its peers' (its children exit late), so while only consequences have failed the choice",
+        "# waits, up to 20 s.",
+        *culprit.render_bash(_role_reports),
         "pick_culprit() {",
         "    local i score best='' best_score=-1",
         "    for i in \"${!roles[@]}\"; do",
@@ -255,8 +277,8 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "    done",
         "    if [ -n \"$first_fail\" ] && [ -z \"$stopped\" ]; then",
         "        pick_culprit; waited=$((SECONDS - first_fail))",
-        "        if [ $running -eq 0 ] || [ $waited -ge 20 ] || [ -f \"$RUN_DIR/errors/dead_rank.$HPC_RL_RESTART.txt\" ] || \\",
-        "                { [ $waited -ge 3 ] && [ $culprit_score -ge 2 ]; }; then",
+        "        if [ $running -eq 0 ] || [ $waited -ge 20 ] || [ -f \"$DEAD_RANK_FILE\" ] || \\",
+        f"                {{ [ $waited -ge 3 ] && [ $culprit_score -ge {culprit.ORIGIN_SCORE} ]; }}; then",
         "            stopped=1",
         "            echo \"hpc_rl: a role failed (most likely culprit so far: $failed_role, exit $status); stopping the other roles\" >&2",
         "            stop_all",
@@ -267,8 +289,8 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "done",
         "",
         "dead_verdict=''",
-        "if [ -f \"$RUN_DIR/errors/dead_rank.$HPC_RL_RESTART.txt\" ]; then  # heartbeats named the dead rank",
-        "    verdict=$(head -n 1 \"$RUN_DIR/errors/dead_rank.$HPC_RL_RESTART.txt\")",
+        "if [ -f \"$DEAD_RANK_FILE\" ]; then  # heartbeats named the dead rank",
+        "    verdict=$(head -n 1 \"$DEAD_RANK_FILE\")",
         "    dead=${verdict%% *}; dead=${dead%:*}",
         "    for r in \"${roles[@]}\"; do [ \"$r\" = \"$dead\" ] && failed_role=$dead; done",
         "    dead_verdict=$verdict",
@@ -277,7 +299,8 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "detail=''",
         "if [ -n \"$failed_role\" ]; then",
         "    # the failed role's own errors; its peers' 'connection closed' errors are consequences",
-        "    for f in \"$RUN_DIR\"/errors/\"${failed_role//\\//-}\".*.\"$HPC_RL_RESTART\".txt; do",
+        f"    failed_name={shell_role_file_name('failed_role')}",
+        f"    for f in {_role_reports('failed_name')}; do",
         "        [ -f \"$f\" ] && detail=\"$detail$(head -n 1 \"$f\"); \"",
         "    done",
         "    # the dead rank's own report wins; the heartbeat verdict speaks when it left none",
@@ -287,12 +310,12 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         "",
         "# Requeue: after a save on request (time limit) or a failure, within the retry budget.",
         "requeue=''",
-        "if [ -f \"$RUN_DIR/FINISHED\" ]; then",
+        "if [ -f \"$FINISHED_FILE\" ]; then",
         "    status=0",
-        "elif [ -f \"$RUN_DIR/stopped.$HPC_RL_RESTART.json\" ]; then",
+        "elif [ -f \"$STOPPED_FILE\" ]; then",
         "    requeue='saved on request (time limit near)'",
-        "elif [ -f \"$RUN_DIR/errors/fatal.$HPC_RL_RESTART.txt\" ]; then  # a retry would fail the same way",
-        "    detail=\"not requeued: $(head -n 1 \"$RUN_DIR/errors/fatal.$HPC_RL_RESTART.txt\"). $detail\"",
+        "elif [ -f \"$FATAL_FILE\" ]; then  # a retry would fail the same way",
+        "    detail=\"not requeued: $(head -n 1 \"$FATAL_FILE\"). $detail\"",
         "elif [ $status -ne 0 ]; then",
         "    requeue=\"role $failed_role failed\"",
         "else",
@@ -301,19 +324,19 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         f"max_restarts={int(cfg.ft.max_restarts) if cfg.launcher.slurm.requeue else 0}",
         "requeued=false",
         "if [ -n \"$requeue\" ]; then",
-        "    if [ \"$HPC_RL_RESTART\" -lt \"$max_restarts\" ]; then",
+        f"    if [ \"{R}\" -lt \"$max_restarts\" ]; then",
         "        requeued=true",
-        "        echo \"hpc_rl: requeueing job $SLURM_JOB_ID: $requeue; restart $((HPC_RL_RESTART + 1)) of at most $max_restarts\" >&2",
+        f"        echo \"hpc_rl: requeueing job $SLURM_JOB_ID: $requeue; restart $(({env.RESTART} + 1)) of at most $max_restarts\" >&2",
         "    else",
-        "        detail=\"retry budget exhausted after $HPC_RL_RESTART restarts (ft.max_restarts=$max_restarts): $requeue. $detail\"",
+        f"        detail=\"retry budget exhausted after {R} restarts (ft.max_restarts=$max_restarts): $requeue. $detail\"",
         "        echo \"hpc_rl: job $SLURM_JOB_ID ends failed: $detail\" >&2",
         "        [ $status -eq 0 ] && status=1",
         "    fi",
         "fi",
         "detail=$(printf '%s' \"$detail\" | tr -d '\"\\\\')  # keep the JSON below valid",
-        "tmp=\"$RUN_DIR/.job_exit.json.$$\"",
+        "tmp=\"$JOB_EXIT_FILE.tmp.$$\"  # written whole, then renamed: readers never see half of it",
         "printf '{\"job_id\": \"%s\", \"restart\": %s, \"exit_code\": %s, \"failed_role\": \"%s\", \"detail\": \"%s\", \"requeued\": %s}\\n' \\",
-        "    \"$SLURM_JOB_ID\" \"$HPC_RL_RESTART\" \"$status\" \"$failed_role\" \"$detail\" \"$requeued\" > \"$tmp\" && mv \"$tmp\" \"$RUN_DIR/job_exit.json\"",
+        f"    \"$SLURM_JOB_ID\" \"{R}\" \"$status\" \"$failed_role\" \"$detail\" \"$requeued\" > \"$tmp\" && mv \"$tmp\" \"$JOB_EXIT_FILE\"",
         "if [ \"$requeued\" = true ]; then",
         "    # the batch shell runs outside any container, so scontrol is at hand here",
         "    scontrol requeue \"$SLURM_JOB_ID\" || echo \"hpc_rl: scontrol requeue failed\" >&2",

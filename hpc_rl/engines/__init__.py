@@ -1,0 +1,1 @@
+"""Inference engines the generator role samples with (`generator.backend`)."""

@@ -1,0 +1,70 @@
+"""`InferenceEngine`: what the generator role needs of an engine, and the registry
+`generator.backend` selects from.
+
+An engine samples batches with per-request seeds (a sample depends on its own seed, not on
+its batch), says which trainer step its weights come from, describes its weights for the
+refit plan's destination layout, joins the refit group and receives refits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Protocol, Sequence, Tuple, runtime_checkable
+
+from hpc_rl.refit.vllm_engine import SampleRow
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: Tuple[str, ...] = ()
+
+    def greedy(self) -> "Sampling":
+        return Sampling(0.0, 1.0, -1, self.max_tokens, self.stop)
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    weight_version: int  # the trainer step whose weights the engine serves (0: the initial ones)
+    tensor_parallel: int  # refit ranks this engine contributes (one per worker)
+
+    def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int]) -> List[SampleRow]:
+        """One row per chat (a prompt string or a list of messages)."""
+
+    def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """The live model's parameters (name -> local shape, dtype): the destination layout
+        is checked against them before the first refit."""
+
+    def join_refit(self, setup: Any, first_rank: int, host: str, port: int) -> Dict[str, Any]:
+        """The engine's workers join the refit group as ranks first_rank + worker index."""
+
+    def refit(self, version: int, timeout_s: float) -> Dict[str, Any]:
+        """Receive and load the weights of trainer step `version` (every worker stamps it)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    checkpoint: str
+    generator: Any  # hpc_rl.config.schema.GeneratorConfig
+    max_model_len: int
+    seed: int
+    on_gpu: bool
+
+
+def _vllm(spec: EngineSpec) -> InferenceEngine:
+    from .vllm import VLLMEngine
+
+    return VLLMEngine.from_spec(spec)
+
+
+# generator.backend -> factory; the schema's Literal and these names agree (tests/test_roles.py)
+ENGINES: Dict[str, Callable[[EngineSpec], InferenceEngine]] = {"vllm": _vllm}
+
+
+def build_engine(name: str, spec: EngineSpec) -> InferenceEngine:
+    if name not in ENGINES:
+        raise ValueError(f"generator.backend={name!r} has no implementation in this version (have {sorted(ENGINES)})")
+    return ENGINES[name](spec)

@@ -1,0 +1,55 @@
+"""Today's engine: one vLLM engine per generator rank (tensor parallel 1; larger engines
+are refused by validation until engines span several tasks). It wraps the refit-ready
+`VLLMGenerator` (hpc_rl/refit/vllm_engine.py) in the `InferenceEngine` protocol."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+from hpc_rl.refit.vllm_engine import SampleRow, VLLMGenerator
+
+from .base import EngineSpec, Sampling
+
+# vLLM on CPU reserves gpu_memory_utilization of NUMA node 0's memory for its KV cache; the
+# GPU default (0.85) cannot be met there, so CPU engines take at most this share.
+CPU_MEMORY_FRACTION_CAP = 0.2
+
+
+class VLLMEngine:
+    def __init__(self, generator: VLLMGenerator):
+        self.vllm = generator
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> "VLLMEngine":
+        g = spec.generator
+        frac = g.gpu_memory_utilization if spec.on_gpu else min(g.gpu_memory_utilization, CPU_MEMORY_FRACTION_CAP)
+        return cls(VLLMGenerator(spec.checkpoint, precision=g.precision, max_model_len=spec.max_model_len,
+                                 seed=spec.seed, memory_fraction=frac, max_num_seqs=g.max_num_seqs,
+                                 tensor_parallel=g.parallel.tp))
+
+    @property
+    def weight_version(self) -> int:
+        return self.vllm.weight_version
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.vllm.tensor_parallel
+
+    def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int]) -> List[SampleRow]:
+        tok = self.vllm.tokenizer
+        prompts = [tok.apply_chat_template(_messages(m), tokenize=False, add_generation_prompt=True) for m in messages]
+        return self.vllm.sample(prompts, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                max_tokens=sampling.max_tokens, stop=list(sampling.stop), seed=list(seeds))
+
+    def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        return self.vllm.params()
+
+    def join_refit(self, setup: Any, first_rank: int, host: str, port: int) -> Dict[str, Any]:
+        return self.vllm.join_refit(setup, first_rank, host, port)
+
+    def refit(self, version: int, timeout_s: float) -> Dict[str, Any]:
+        return self.vllm.refit(version, timeout_s)
+
+
+def _messages(prompt: Any) -> list:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -1,0 +1,1 @@
+"""Fault tolerance helpers the RL loop calls: save-on-signal and stop-for-requeue."""

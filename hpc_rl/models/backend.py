@@ -1,0 +1,87 @@
+"""`TrainingBackend`: what the RL loop needs of a model that trains (the student) or only
+scores (a teacher), and the registry `trainer.backend` selects from.
+
+The loop never reaches into a backend's model: it asks for log-probs, a train step over
+micro-batches, the refit source layout (this rank's shards) and checkpoint state. A
+backend that cannot honour a config value is refused by validation
+(`hpc_rl/config/support.py`) before anything is submitted, never here at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+
+LossFn = Callable[[torch.Tensor, Sequence[int]], Tuple[torch.Tensor, Dict[str, float]]]
+Shards = Dict[str, Tuple[Tuple[int, ...], torch.Tensor]]  # name -> (global start of this rank's box, tensor)
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    device: torch.device
+    model: torch.nn.Module  # for checkpoints (distributed state dicts) and the HF export
+    optimizer: Optional[torch.optim.Optimizer]
+    step_count: int  # optimizer steps taken (the learning-rate schedule's position)
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] log p(token i | tokens < i), 0 at position 0 (no gradient)."""
+
+    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn: LossFn,
+                   micro_batch_size: int) -> Dict[str, float]:
+        """One optimizer step over this rank's rows, in micro-batches of `micro_batch_size`
+        rows whose gradients accumulate; `loss_fn(logprobs, rows)` is the micro-batch's
+        loss already scaled to its share of the step."""
+
+    def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
+               pad_id: int) -> torch.Tensor:
+        """Greedy continuations of left-padded prompts (a teacher's own accuracy)."""
+
+    def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """Every weight's global shape and dtype, by Hugging Face name."""
+
+    def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
+        """This rank's part of every weight: the refit source layout."""
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every weight, whole, on CPU (a collective of the backend's ranks)."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a role asks of a backend: the checkpoint, its ranks, and, when it trains, the
+    trainer section of the config (optimizer, schedule, precision)."""
+
+    checkpoint: str
+    precision: str
+    device: str
+    group: Any  # the role's process group
+    train: Any = None  # hpc_rl.config.schema.TrainerConfig, or None for inference only
+
+
+def _fsdp2(spec: BackendSpec) -> TrainingBackend:
+    from .fsdp2 import FSDP2Backend
+
+    return FSDP2Backend.from_spec(spec)
+
+
+# trainer.backend -> factory. Names here and the schema's Literal agree (tests/test_roles.py);
+# a name the runtime has no factory for is refused by validation.
+BACKENDS: Dict[str, Callable[[BackendSpec], TrainingBackend]] = {"fsdp2": _fsdp2}
+
+
+def build_backend(name: str, spec: BackendSpec) -> TrainingBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"trainer.backend={name!r} has no implementation in this version (have {sorted(BACKENDS)})")
+    return BACKENDS[name](spec)
+
+
+def available() -> List[str]:
+    return sorted(BACKENDS)

@@ -1,0 +1,79 @@
+"""The messages of a step and the batch the trainer ranks assemble from them.
+
+The driver (trainer rank 0) sends each generator an `Order`; a generator forwards its rows
+to the ranks that score them as `Work`; scorers answer the driver. Every message is plain
+data (lists, small dataclasses): it is pickled point to point (`exchange.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from hpc_rl.data.dataset import PromptRecord
+from hpc_rl.engines.base import Sampling
+from hpc_rl.refit.vllm_engine import Rollouts, SampleRow
+
+# Order kinds, the generator's whole vocabulary:
+COLLECT = "collect"  # sample the items, forward them to env and teachers, return the rows
+TEACHER_EVAL = "teacher_eval"  # no sampling: teachers answer the items greedily (their own accuracy)
+REFIT = "refit"  # receive the trainer's weights of step `step`
+STOP = "stop"  # a save was requested (time limit): stop for a requeue
+END = "end"  # the run is complete
+FORWARDED = (COLLECT, TEACHER_EVAL, STOP, END)  # kinds generators pass on to their scorers
+
+TRAINER_SEED_SPACE = 1_000_003
+
+
+def request_seed(run_seed: int, stream: int, step: int, index: int) -> int:
+    """A request's sampling seed: a function of where it is in the run, not of the batch."""
+    return (run_seed * TRAINER_SEED_SPACE + stream * 7_919_993 + step * 10_007 + index) % (2 ** 31 - 1)
+
+
+@dataclass
+class Order:
+    kind: str
+    step: int = 0
+    items: List[Tuple[int, PromptRecord, int]] = field(default_factory=list)  # (index, record, seed)
+    sampling: Optional[Sampling] = None
+    score_env: bool = False  # env ranks verify the rows and answer the driver
+    score_teachers: bool = False  # teacher groups score their routed rows and answer the driver
+    train: bool = False  # a training step's collection (where ft.inject_failure's @step fires)
+
+
+@dataclass
+class Work:
+    """What a generator forwards to one scorer for one order."""
+
+    kind: str
+    wanted: bool  # the scorer answers the driver for this order
+    step: int = 0
+    train: bool = False  # a training step's work (where ft.inject_failure's @step fires)
+    items: List[Tuple[int, PromptRecord, Optional[SampleRow]]] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    """One collection as every trainer rank sees it (tensors are [B, T])."""
+
+    records: List[PromptRecord]
+    rows: List[SampleRow]
+    rollouts: Rollouts
+    weight_versions: List[int]  # the engines' weight versions (trainer steps) the rows came from
+    student_logprobs: Optional[torch.Tensor] = None
+    rewards: Optional[torch.Tensor] = None  # [B]
+    correct: Optional[List[Optional[bool]]] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    aliases: Optional[List[str]] = None  # the routed teacher alias per sample
+    advantages: Optional[torch.Tensor] = None  # [B, T], set by the train step
+    timing: Dict[str, float] = field(default_factory=dict)
+
+    def set_teacher_scores(self, scores: Dict[int, List[float]], aliases: List[str]) -> None:
+        tlp = torch.zeros_like(self.rollouts.generation_logprobs)
+        for i, lps in scores.items():
+            p = len(self.rows[i].prompt_ids)
+            tlp[i, p:p + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        self.teacher_logprobs = tlp
+        self.aliases = aliases

@@ -1,0 +1,91 @@
+"""Checkpoints of the trainer ranks: periodic saves that fit before the job's end, and the
+resume from the newest complete checkpoint (model, optimizer, prompt iterator, RNGs).
+Generators get the resumed weights by a refit, ordered by the loop."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from hpc_rl.data.dataset import PromptIterator
+from hpc_rl.ft.preemption import save_fits
+from hpc_rl.rundir import RunDir
+from hpc_rl.runtime.env import RankEnv
+from hpc_rl.runtime.faults import maybe_inject
+
+from . import exchange
+from .records import MetricsLog, RolloutStore
+
+
+class Checkpointer:
+    def __init__(self, ctx, trainer):
+        self.ctx, self.cfg, self.trainer, self.log = ctx, ctx.cfg, trainer, ctx.log
+        self.is_driver = trainer.is_driver
+        self.root = Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else RunDir(ctx.run_dir).checkpoints
+        self.last_saved = 0
+        self.last_save_s: Optional[float] = None
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.checkpoint.every_steps == 0 or step == self.cfg.run.max_steps
+
+    def save(self, step: int, it: PromptIterator) -> None:
+        """Every trainer rank calls it; the driver decides whether the save fits in time."""
+        from hpc_rl.ckpt import apply_retention, capture_rng_state, save_checkpoint
+
+        cfg, group = self.cfg, self.ctx.groups.role
+        go = save_fits(RankEnv.from_env().job_end, time.time(), cfg.ft.save_margin_s, self.last_save_s) \
+            if self.is_driver else None
+        if not exchange.share(go, self.trainer.routes.driver, group):
+            if self.is_driver:
+                self.log.warning("step %d: checkpoint skipped, it would not finish %.0fs before the job's end "
+                                 "(last save took %.1fs)", step, cfg.ft.save_margin_s, self.last_save_s or 0.0)
+            return
+        t0 = time.time()
+        extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state()}
+        ident = self.ctx.ident
+        save_checkpoint(self.root, step, self.trainer.backend, extra, RunDir(self.ctx.run_dir).config.read_text(),
+                        group=group, recipe=cfg.recipe,
+                        before_publish=lambda: maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank,
+                                                            ident.restart, f"save{step}"))
+        self.last_save_s = time.time() - t0
+        if self.is_driver:
+            apply_retention(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+        self.last_saved = step
+
+    def resume(self, it: PromptIterator) -> int:
+        """The last completed step: 0, or the newest complete checkpoint's step (every
+        trainer rank loads it)."""
+        from hpc_rl.ckpt import find_resumable, load_checkpoint, model_fingerprint, restore_rng_state
+
+        run_dir = self.ctx.run_dir
+        if not self.cfg.checkpoint.resume:
+            if self.is_driver:
+                MetricsLog(run_dir).truncate_after(0)
+                RolloutStore(run_dir).truncate_after(0)
+                self.log.warning("checkpoint.resume=false: starting fresh; checkpoints under %s are ignored", self.root)
+            return 0
+        found = None
+        if self.is_driver:
+            scan = find_resumable(self.root, model_fingerprint(self.trainer.backend.model), self.cfg.recipe)
+            for path, why in scan.skipped:
+                self.log.warning("skipped checkpoint %s: %s", path, why)
+            found = (str(scan.path), scan.step) if scan else None
+        found = exchange.share(found, self.trainer.routes.driver, self.ctx.groups.role)
+        if found is None:
+            return 0
+        path, step = found
+        extra = load_checkpoint(path, self.trainer.backend, group=self.ctx.groups.role)
+        it.load_state_dict(extra["iterator"])
+        restore_rng_state(extra["rng"])
+        if self.is_driver:
+            recomputed = MetricsLog(run_dir).truncate_after(step)
+            RolloutStore(run_dir).truncate_after(step)
+            self.log.info("restart %d resumed from %s (step %d); %d completed steps after it will be recomputed",
+                          self.ctx.ident.restart, path, step, recomputed)
+            with RunDir(run_dir).restarts.open("a") as f:
+                f.write(json.dumps({"restart": self.ctx.ident.restart, "resumed_from_step": step, "checkpoint": path,
+                                    "steps_recomputed": recomputed, "time": time.time()}) + "\n")
+        self.last_saved = step
+        return step

@@ -1,0 +1,94 @@
+"""One collection, as the trainer ranks run it: the driver orders every generator to
+sample its share, gathers the rows, the trainer ranks compute the student's log-probs
+while env ranks and teacher groups score, and the scores come back to the driver.
+Every trainer rank returns the same `Batch`."""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from hpc_rl.data.dataset import PromptRecord
+from hpc_rl.engines.base import Sampling
+from hpc_rl.refit.vllm_engine import pad_rows
+
+from . import exchange
+from .batch import COLLECT, TEACHER_EVAL, Batch, Order, request_seed
+from .routes import Routes
+
+
+class Collector:
+    def __init__(self, ctx, routes: Routes, trainer, router, pad_id: int):
+        self.ctx, self.routes, self.trainer, self.router, self.pad_id = ctx, routes, trainer, router, pad_id
+        self.is_driver = ctx.ident.global_rank == routes.driver
+        self.group = ctx.groups.role
+
+    def order(self, kind: str, step: int, records: List[PromptRecord], **fields) -> None:
+        """Driver: each generator gets its strided share of `records` (one message each)."""
+        g_n = len(self.routes.generators)
+        for g, rank in enumerate(self.routes.generators):
+            mine = exchange.strided(len(records), g, g_n)
+            items = [(i, records[i], fields.get("seeds", {}).get(i, 0)) for i in mine]
+            exchange.send(Order(kind, step, items, fields.get("sampling"), fields.get("score_env", False),
+                                fields.get("score_teachers", False), fields.get("train", False)), rank)
+
+    def collect(self, records: Optional[List[PromptRecord]], sampling: Sampling, stream: int, step: int,
+                score_env: bool, score_teachers: bool, train: bool = False) -> Batch:
+        """`records` on the driver (None on the other trainer ranks)."""
+        cfg, r = self.ctx.cfg, self.routes
+        score_env = score_env and bool(r.envs)
+        score_teachers = score_teachers and bool(r.teachers)
+        t0 = time.perf_counter()
+        head = None
+        if self.is_driver:
+            seeds = {i: request_seed(cfg.run.seed, stream, step, i) for i in range(len(records))}
+            self.order(COLLECT, step, records, seeds=seeds, sampling=sampling, score_env=score_env,
+                       score_teachers=score_teachers, train=train)
+            rows: List = [None] * len(records)
+            versions, gen_s = set(), []
+            for rank in r.generators:
+                version, piece, seconds = exchange.recv(rank)
+                versions.add(version)
+                gen_s.append(seconds)
+                for i, row in piece:
+                    rows[i] = row
+            head = (records, rows, sorted(versions))
+        records, rows, versions = exchange.share(head, r.driver, self.group)
+        t_gen = time.perf_counter()
+        batch = Batch(records, rows, pad_rows(rows, self.pad_id), versions)
+        batch.student_logprobs = self.trainer.student_logprobs(rows)
+        scores = self._scores(len(rows), score_env, score_teachers) if self.is_driver else None
+        rewards, correct, teacher = exchange.share(scores, r.driver, self.group)
+        if rewards is not None:
+            batch.rewards, batch.correct = torch.tensor(rewards, dtype=torch.float32), correct
+        if teacher is not None:
+            batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in records])
+        batch.timing = {"generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen}
+        return batch
+
+    def _scores(self, n: int, score_env: bool, score_teachers: bool):
+        """Driver: the env ranks' rewards and the teacher heads' log-probs, in route order."""
+        rewards = correct = teacher = None
+        if score_env:
+            rewards, correct = [0.0] * n, [None] * n
+            for e in self.routes.envs:
+                if self.routes.generators_of_env(e):
+                    for i, reward, ok in exchange.recv(e):
+                        rewards[i], correct[i] = reward, ok
+        if score_teachers:
+            teacher: Dict[int, List[float]] = {}
+            for group in self.routes.teachers:
+                teacher.update(exchange.recv(self.routes.teacher_head(group)))
+        return rewards, correct, teacher
+
+    def teacher_accuracy(self, records: List[PromptRecord]) -> Dict[str, float]:
+        """Driver only: each teacher group answers the eval prompts routed to it greedily;
+        agent -> accuracy over the groups."""
+        self.order(TEACHER_EVAL, 0, records)
+        merged: Dict[str, List[bool]] = {}
+        for group in self.routes.teachers:
+            for k, v in exchange.recv(self.routes.teacher_head(group)).items():
+                merged.setdefault(k, []).extend(v)
+        return {k: sum(v) / len(v) for k, v in merged.items()}

@@ -1,0 +1,197 @@
+"""`run.program=rl`: the RL / MOPD loop, read top to bottom.
+
+The trainer ranks run the orchestration; trainer rank 0 (the driver) speaks for them.
+Every other role serves what its producers send (hpc_rl/roles/): generators sample when
+ordered and forward rows to the ranks that score them; env ranks and teacher groups
+answer the driver. One step:
+
+  1. prompts   the driver draws the batch (each prompt repeated generations_per_prompt
+               times, consecutively) and orders each generator to sample its share
+  2. collect   rows go to env ranks (rewards), teacher groups (log-probs of the sampled
+               tokens, each sample by exactly the teacher it is routed to) and the driver;
+               the trainer ranks recompute the student's log-probs meanwhile
+  3. train     advantages (MOPD: teacher - student per token; GRPO: group-normalised
+               rewards), mismatch weights, one optimizer step per minibatch
+  4. refit     trainer shards -> every engine, along the refit plan
+  5. ckpt      every checkpoint.every_steps; the run resumes from the newest complete one
+The driver records metrics, rollouts and progress.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.algo.routing import TeacherRouter
+from hpc_rl.data.dataset import PromptIterator
+from hpc_rl.engines.base import Sampling
+from hpc_rl.ft.preemption import save_requested, write_stopped
+from hpc_rl.roles.trainer import TrainerRole
+from hpc_rl.rundir import RunDir
+from hpc_rl.runtime.faults import maybe_inject
+
+from . import exchange
+from .batch import END, REFIT, STOP
+from .checkpointing import Checkpointer
+from .collect import Collector
+from .eval import evaluate
+from .inputs import eval_records, load_dataset
+from .records import MetricsLog, Progress, RolloutStore, summarize
+from .roles_setup import announce_end, domains_for_refit, pad_id_of, serve_role
+from .routes import Routes
+from .step_record import brief, record_step
+
+TRAIN_STREAM = 1  # the training collections' seed stream (evaluations use others)
+
+
+class RLLoop:
+    def __init__(self, ctx, routes: Routes):
+        self.ctx, self.cfg, self.routes, self.log = ctx, ctx.cfg, routes, ctx.log
+        self.driver = ctx.ident.global_rank == routes.driver
+        self.distill = self.cfg.algo.name == "mopd" and bool(routes.teachers)
+        s = self.cfg.generator.sampling
+        self.sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop))
+
+    def setup(self) -> None:
+        t0 = time.perf_counter()
+        router = TeacherRouter.from_config(self.cfg) if self.cfg.teachers else None
+        self.trainer = TrainerRole(self.ctx, self.routes, pad_id_of(self.cfg.model.path))
+        self.trainer.join_refit(domains_for_refit(self.ctx, self.routes))
+        self.collector = Collector(self.ctx, self.routes, self.trainer, router, self.trainer.pad_id)
+        self.ckpt = Checkpointer(self.ctx, self.trainer)
+        dist.barrier(group=self.ctx.groups.world)  # every role has loaded its model
+        self.log.info("setup done in %.1fs", time.perf_counter() - t0)
+
+    def run(self) -> Dict[str, Any]:
+        cfg, run_dir = self.cfg, self.ctx.run_dir
+        self.setup()
+        dataset = load_dataset(cfg, run_dir)
+        it = PromptIterator(dataset, cfg.algo.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        done = self.ckpt.resume(it)
+        if done:
+            self.refit(done)  # the engines still hold the initial weights
+        metrics, store = MetricsLog(run_dir), RolloutStore(run_dir)
+        progress = Progress(run_dir, cfg.run.max_steps, first_step=done + 1) if self.driver else None
+        if self.driver and dataset.skipped:
+            self.log.warning("%d malformed dataset rows skipped (data.skip_invalid): lines %s", dataset.skipped,
+                             dataset.skipped_lines[:20])
+        evals = eval_records(dataset, cfg.data.eval_prompts_per_task, cfg.run.seed) if cfg.data.eval_prompts_per_task else []
+        if evals and done == 0:
+            self.evaluate("start", evals, 0, progress, metrics)
+
+        for step in range(done + 1, cfg.run.max_steps + 1):
+            # between steps: has the batch shell asked for a save (USR1: the time limit is near)?
+            why = exchange.share(save_requested(run_dir, self.ctx.ident.restart) if self.driver else None,
+                                 self.routes.driver, self.ctx.groups.role)
+            if why:
+                return self.stop_for_requeue(step - 1, it, why)
+            exchange.mark_step(step)
+            ident = self.ctx.ident
+            maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, step)
+            t0 = time.perf_counter()
+            self.phase(progress, step, "generate")
+            records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] if self.driver else None
+            batch = self.collector.collect(records, self.sampling, TRAIN_STREAM, step, score_env=True,
+                                           score_teachers=self.distill, train=True)
+            self.phase(progress, step, "train")
+            t_train = time.perf_counter()
+            train = self.trainer.train(batch)
+            train_s = time.perf_counter() - t_train
+            self.phase(progress, step, "refit")
+            refit_s = self.refit(step)
+            if self.ckpt.due(step):
+                self.phase(progress, step, "checkpoint")
+                self.ckpt.save(step, it)
+            if self.driver:
+                timing = dict(batch.timing, train_s=train_s, refit_s=refit_s, step_s=time.perf_counter() - t0)
+                rec = record_step(step, batch, train, timing, metrics, store)
+                self.log.info("step %d/%d: %s", step, cfg.run.max_steps, brief(rec))
+
+        if evals:
+            self.evaluate("end", evals, cfg.run.max_steps, progress, metrics)
+        return self.finish(progress, steps=cfg.run.max_steps - done)
+
+    # ----------------------------------------------------------------------------- pieces
+    def refit(self, version: int) -> float:
+        """The driver orders the engines to receive `version`; every trainer rank sends."""
+        if self.driver:
+            self.collector.order(REFIT, version, [])
+        return self.trainer.refit()
+
+    def evaluate(self, tag: str, evals, step: int, progress, metrics: MetricsLog) -> None:
+        if progress:
+            progress.update(max(step, 1), f"eval {tag}")
+        rec = evaluate(self.collector, tag, evals, step, self.sampling, self.distill)
+        if rec is not None:
+            metrics.append(rec)
+
+    def phase(self, progress, step: int, phase: str) -> None:
+        self.ctx.set_phase(f"step {step} {phase}")
+        if progress:
+            progress.update(step, phase)
+
+    def stop_for_requeue(self, done_step: int, it: PromptIterator, why: str) -> Dict[str, Any]:
+        t0 = time.time()
+        if self.driver:
+            self.collector.order(STOP, done_step, [])
+        if done_step > self.ckpt.last_saved:
+            self.ckpt.save(done_step, it)
+        if self.driver:
+            save_s = write_stopped(self.ctx.run_dir, self.ctx.ident.restart, done_step,
+                                   self.ckpt.last_saved == done_step, t0)
+            self.log.warning("stopping after step %d for a requeue (%s); checkpoint on disk %.2fs after the request",
+                             done_step, why, save_s)
+        return {"role": self.ctx.ident.role, "rank": self.ctx.ident.role_rank, "stopped_after": done_step}
+
+    def finish(self, progress, steps: int) -> Dict[str, Any]:
+        """The trained weights: one gather serves both the digest and the HF export."""
+        cfg = self.cfg
+        final = self.trainer.backend.full_state_dict()
+        digest = weights_digest(final) if self.driver else None
+        if cfg.checkpoint.export_final:
+            from hpc_rl.ckpt import export_hf
+
+            out = export_hf(self.trainer.backend, RunDir(self.ctx.run_dir).final_hf, tokenizer_dir=cfg.model.path,
+                            group=self.ctx.groups.role, overwrite=True, state=final)
+            if self.driver:
+                self.log.info("trained weights exported to %s (Hugging Face safetensors)", out)
+        summary = None
+        if self.driver:
+            self.collector.order(END, cfg.run.max_steps, [])
+            summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe,
+                                                   "final_weights_sha256": digest, "restarts": self.ctx.ident.restart})
+            progress.update(cfg.run.max_steps + 1, "done", done_steps=cfg.run.max_steps)
+        return {"role": self.ctx.ident.role, "rank": self.ctx.ident.role_rank, "steps": steps, "summary": summary}
+
+
+def weights_digest(state: Dict[str, torch.Tensor]) -> str:
+    """sha256 of the trained weights (each name and its bytes, in name order): resumed runs compare equal bit for bit."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(ctx) -> Dict[str, Any]:
+    routes = Routes.from_plan(ctx.plan)
+    if not routes.generators:
+        raise RuntimeError("the RL loop needs a generator role")
+    if ctx.ident.role == ctx.plan.roles[0].name:
+        result = RLLoop(ctx, routes).run()
+    else:
+        result = serve_role(ctx, routes)
+    # every rank's traffic, for bench/exchange.py and the run's records
+    out = ctx.run_dir / "exchange" / f"{ctx.ident.role.replace('/', '-')}.{ctx.ident.role_rank}.{ctx.ident.restart}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(exchange.traffic(), sort_keys=True) + "\n")
+    if ctx.ident.global_rank == routes.driver:
+        announce_end(ctx)
+    ctx.finish()  # before the final barrier: no peer sees this rank go quiet first
+    dist.barrier(group=ctx.groups.world)
+    return result

@@ -1,0 +1,56 @@
+"""What the driver records of one training step: a metrics line and the step's rollouts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+import numpy as np
+
+from hpc_rl.algo import token_mult_prob_error
+
+from .batch import Batch
+from .eval import accuracy_by_task, reverse_kl
+from .records import MetricsLog, RolloutStore
+
+
+def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, float], metrics_log: MetricsLog,
+                store: RolloutStore) -> Dict[str, Any]:
+    r = b.rollouts
+    mask = r.response_mask
+    rec: Dict[str, Any] = {"kind": "step", "step": step, "time": time.time(), "samples": len(b.rows),
+                           "response_len_mean": float(np.mean(r.generation_lengths)),
+                           "truncated_frac": float(np.mean(r.truncated)),
+                           "token_mult_prob_error": token_mult_prob_error(r.generation_logprobs, b.student_logprobs, mask),
+                           "weight_version": min(b.weight_versions), **train, "timing": timing}
+    if b.rewards is not None:
+        rec["reward_mean"] = float(b.rewards.mean())
+        rec["accuracy"] = accuracy_by_task(b.records, b.correct)
+    if b.teacher_logprobs is not None:
+        rec["reverse_kl"] = reverse_kl(b)
+    metrics_log.append(rec)
+    arrays = {"input_ids": r.input_ids.numpy().astype(np.int32), "attention_mask": r.attention_mask.numpy().astype(np.int8),
+              "response_mask": mask.numpy().astype(np.int8), "generation_logprobs": r.generation_logprobs.numpy(),
+              "student_logprobs": b.student_logprobs.numpy(), "advantages": b.advantages.numpy(),
+              "truncated": np.array(r.truncated, dtype=np.int8)}
+    if b.teacher_logprobs is not None:
+        arrays["teacher_logprobs"] = b.teacher_logprobs.numpy()
+    if b.rewards is not None:
+        arrays["rewards"] = b.rewards.numpy()
+    strings = {"agents": [x.agent for x in b.records], "texts": r.texts, "tasks": [x.task or "" for x in b.records]}
+    if b.aliases:
+        strings["teachers"] = b.aliases
+    store.write(step, arrays, strings, attrs={"weight_version": min(b.weight_versions)})
+    return rec
+
+
+def brief(rec: Dict[str, Any]) -> str:
+    parts = []
+    if "reverse_kl" in rec:
+        parts.append(f"KL {rec['reverse_kl'].get('mean', float('nan')):.3f}")
+    if "reward_mean" in rec:
+        parts.append(f"reward {rec['reward_mean']:.3f}")
+    parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
+    parts.append(f"loss {rec.get('loss', float('nan')):.4f}")
+    parts.append(f"{rec['timing']['step_s']:.2f}s")
+    return ", ".join(parts)

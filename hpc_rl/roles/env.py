@@ -1,0 +1,54 @@
+"""The env role: verifies the rows of the generators routed to it and sends the rewards
+(and correctness, for accuracy) to the driver."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from hpc_rl.envs.registry import score
+from hpc_rl.rl import exchange
+from hpc_rl.rl.batch import END, STOP, Work
+from hpc_rl.rl.routes import Routes
+from hpc_rl.runtime.faults import maybe_inject
+
+
+def verify(items) -> List[Tuple[int, float, Optional[bool]]]:
+    """(index, reward, correct) per row; a row without a verifier gets no reward and is
+    not counted in accuracy."""
+    out = []
+    for i, rec, row in items:
+        if rec.task is None or rec.answer is None:
+            out.append((i, 0.0, None))
+            continue
+        res = score(rec.task, row.text, rec.answer)
+        out.append((i, float(res.reward), bool(res.correct)))
+    return out
+
+
+class EnvRole:
+    def __init__(self, ctx, routes: Routes):
+        self.ctx, self.routes = ctx, routes
+        self.rank = ctx.ident.global_rank
+        self.sources = [routes.generators[g] for g in routes.generators_of_env(self.rank)]
+
+    def serve(self) -> Dict[str, Any]:
+        done: Dict[str, Any] = {"role": "env", "rank": self.ctx.ident.role_rank, "rounds": 0, "steps": 0}
+        if not self.sources:  # more env ranks than generators: nothing is routed here
+            done["idle"] = True
+            return done
+        while True:
+            work: List[Work] = [exchange.recv(src) for src in self.sources]
+            kind = work[0].kind
+            done["rounds"] += 1
+            if work[0].train:
+                done["steps"] += 1
+                exchange.mark_step(work[0].step)
+                ident = self.ctx.ident
+                maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, work[0].step)
+            if kind == STOP:
+                return dict(done, stopped=True)
+            if kind == END:
+                return done
+            if work[0].wanted:
+                self.ctx.set_phase(f"verify {sum(len(w.items) for w in work)} rows")
+                exchange.send(verify([it for w in work for it in w.items]), self.routes.driver)

@@ -1,0 +1,85 @@
+"""The generator role: samples on its inference engine when the driver orders it, and
+sends each row to the ranks that consume it (its env rank, the teacher group the row is
+routed to, the driver). Between orders it receives refits."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List
+
+from hpc_rl.algo.routing import TeacherRouter
+from hpc_rl.engines.base import EngineSpec, InferenceEngine, build_engine
+from hpc_rl.rl import exchange
+from hpc_rl.rl.batch import COLLECT, END, FORWARDED, REFIT, STOP, TEACHER_EVAL, Order, Work
+from hpc_rl.rl.routes import Routes
+from hpc_rl.runtime.faults import maybe_inject
+
+
+class GeneratorRole:
+    def __init__(self, ctx, routes: Routes):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.routes, self.log = ctx, cfg, routes, ctx.log
+        self.index = ctx.ident.role_rank  # engine index: one engine per generator rank
+        self.router = TeacherRouter.from_config(cfg) if cfg.teachers else None
+        g = cfg.generator
+        self.engine: InferenceEngine = build_engine(g.backend, EngineSpec(
+            cfg.model.path, g, max_model_len=g.max_model_len or cfg.trainer.max_seq_len,
+            seed=cfg.run.seed + self.index, on_gpu=ctx.device.startswith("cuda")))
+        self.log.info("%s engine up (%s, %s)", g.backend, g.precision, ctx.device)
+
+    def join_refit(self) -> None:
+        """The driver sends the refit setup; the engine checks the destination layout
+        against its live model (a mismatch stops the run here, before any step) and its
+        workers join the refit group."""
+        from hpc_rl.refit.layout import Layout
+        from hpc_rl.refit.vllm_engine import engine_first_rank
+        from hpc_rl.refit.vllm_layout import check_against_model
+
+        setup = exchange.recv(self.routes.driver)
+        check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
+                            self.engine.params())
+        first = engine_first_rank(len(self.routes.trainer), self.index, self.engine.tensor_parallel)
+        self.engine.join_refit(setup, first, self.ctx.store_addr, self.ctx.store_port)
+
+    def serve(self) -> Dict[str, Any]:
+        """Orders until the run ends or stops; returns what this rank did."""
+        done = {"role": "generator", "rank": self.index, "orders": 0, "steps": 0}
+        while True:
+            order: Order = exchange.recv(self.routes.driver)
+            done["orders"] += 1
+            self.ctx.set_phase(f"step {order.step} {order.kind}")
+            if order.kind == REFIT:
+                out = self.engine.refit(order.step, self.cfg.refit.timeout_s)
+                self.log.debug("refit to version %d: %s", order.step, out)
+                continue
+            if order.train:
+                done["steps"] += 1
+                exchange.mark_step(order.step)
+                ident = self.ctx.ident
+                maybe_inject(self.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, order.step)
+            self._forward(order)
+            if order.kind == STOP:
+                return dict(done, stopped_after=order.step)
+            if order.kind == END:
+                return done
+
+    def _forward(self, order: Order) -> None:
+        """Sample (COLLECT), then send every consumer its part: scorers first, so scoring
+        starts while the driver still collects the other engines' rows."""
+        assert order.kind in FORWARDED, order.kind
+        rows: List[Any] = [None] * len(order.items)
+        t0 = time.perf_counter()
+        if order.kind == COLLECT and order.items:
+            rows = self.engine.sample([r.prompt for _, r, _ in order.items], order.sampling,
+                                      [seed for _, _, seed in order.items])
+        gen_s = time.perf_counter() - t0
+        items = [(i, rec, row) for (i, rec, _), row in zip(order.items, rows)]
+        env = self.routes.env_of(self.index)
+        if env is not None:
+            exchange.send(Work(order.kind, order.kind == COLLECT and order.score_env, order.step, order.train, items), env)
+        wanted_t = order.kind == TEACHER_EVAL or (order.kind == COLLECT and order.score_teachers)
+        for group in self.routes.teachers:
+            mine = [it for it in items if self.router.group_of(self.router.route(it[1].agent)) == group]
+            exchange.send(Work(order.kind, wanted_t, order.step, order.train, mine), self.routes.teacher_head(group))
+        if order.kind == COLLECT:
+            exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s), self.routes.driver)

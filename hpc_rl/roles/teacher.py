@@ -1,0 +1,91 @@
+"""A teacher group: an inference-only backend over the group's ranks. Its head rank
+receives from every generator the rows routed to this group, shares them inside the group
+(every rank of a sharded backend computes), and sends the sampled tokens' log-probs (or,
+at the start, the teacher's own greedy accuracy) to the driver."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from hpc_rl.algo.routing import TeacherRouter
+from hpc_rl.envs.registry import score
+from hpc_rl.models.assets import chat_prompt
+from hpc_rl.models.backend import BackendSpec, build_backend
+from hpc_rl.refit.vllm_engine import pad_rows
+from hpc_rl.rl import exchange
+from hpc_rl.rl.batch import END, STOP, TEACHER_EVAL, Work
+from hpc_rl.rl.routes import Routes
+from hpc_rl.runtime.faults import maybe_inject
+
+
+class TeacherRole:
+    def __init__(self, ctx, routes: Routes, group: str, tokenizer):
+        cfg = ctx.cfg
+        self.ctx, self.routes, self.group, self.tok = ctx, routes, group, tokenizer
+        self.head = routes.teacher_head(group)
+        self.is_head = ctx.ident.global_rank == self.head
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        t = cfg.teachers[group]
+        self.max_tokens = cfg.generator.sampling.max_tokens
+        self.backend = build_backend(cfg.trainer.backend, BackendSpec(t.checkpoint, t.precision, ctx.device,
+                                                                      ctx.groups.role))
+        router = TeacherRouter.from_config(cfg)
+        ctx.log.info("teacher group %s (aliases %s) loaded from %s (%s backend)", group,
+                     [a for a in cfg.teachers if router.group_of(a) == group], t.checkpoint, cfg.trainer.backend)
+
+    def serve(self) -> Dict[str, Any]:
+        done: Dict[str, Any] = {"role": f"teacher/{self.group}", "rank": self.ctx.ident.role_rank, "rounds": 0,
+                                "steps": 0}
+        while True:
+            work = None
+            if self.is_head:
+                parts: List[Work] = [exchange.recv(g) for g in self.routes.generators]
+                first = parts[0]
+                work = Work(first.kind, first.wanted, first.step, first.train, [it for p in parts for it in p.items])
+            work = exchange.share(work, self.head, self.ctx.groups.role)
+            done["rounds"] += 1
+            if work.train:
+                done["steps"] += 1
+                exchange.mark_step(work.step)
+                ident = self.ctx.ident
+                maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, work.step)
+            if work.kind == STOP:
+                return dict(done, stopped=True)
+            if work.kind == END:
+                return done
+            if not work.wanted:
+                continue
+            self.ctx.set_phase(f"teacher {work.kind} {len(work.items)} rows")
+            out = self.accuracy(work.items) if work.kind == TEACHER_EVAL else self.score(work.items)
+            if self.is_head:
+                exchange.send(out, self.routes.driver)
+
+    def score(self, items) -> Dict[int, List[float]]:
+        """Log-probs of the sampled tokens under this teacher, by sample index."""
+        if not items:
+            return {}
+        sub = pad_rows([row for _, _, row in items], self.pad_id)
+        lp = self.backend.logprobs(sub.input_ids, sub.attention_mask).float().cpu()
+        return {i: lp[j, p:p + g].tolist() for j, ((i, _, _), p, g) in
+                enumerate(zip(items, sub.prompt_lengths, sub.generation_lengths))}
+
+    def accuracy(self, items) -> Dict[str, List[bool]]:
+        """Greedy answers to the routed eval prompts, verified: agent -> correct per prompt."""
+        mine = [rec for _, rec, _ in items if rec.task is not None and isinstance(rec.prompt, str)]
+        if not mine:
+            return {}
+        prompts = [chat_prompt(self.tok, r.prompt) for r in mine]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # left-padded: answers append right
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        out = self.backend.greedy(ids, attn, self.max_tokens, self.tok.eos_token_id, self.pad_id)
+        by: Dict[str, List[bool]] = {}
+        for r, row in zip(mine, out):
+            text = self.tok.decode(row, skip_special_tokens=True)
+            by.setdefault(r.agent, []).append(bool(score(r.task, text, r.answer).correct))
+        return by

@@ -1,0 +1,149 @@
+"""The trainer role: the student on its training backend. Its ranks run the orchestration
+(hpc_rl/rl/loop.py) and ask this module for the student's log-probs, the train step and
+the refit of the generators' engines."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_advantages, per_token, policy_loss,
+                         sequence_keep_mask)
+from hpc_rl.models.backend import BackendSpec, TrainingBackend, build_backend
+from hpc_rl.precision import torch_dtype, vllm_dtype
+from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
+from hpc_rl.rl import exchange
+from hpc_rl.rl.batch import Batch
+from hpc_rl.rl.routes import Routes
+
+
+class TrainerRole:
+    def __init__(self, ctx, routes: Routes, pad_id: int):
+        cfg = ctx.cfg
+        self.ctx, self.cfg, self.routes, self.pad_id, self.log = ctx, cfg, routes, pad_id, ctx.log
+        self.rank = ctx.ident.role_rank
+        self.is_driver = ctx.ident.global_rank == routes.driver
+        self.backend: TrainingBackend = build_backend(cfg.trainer.backend, BackendSpec(
+            cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer))
+        self.log.info("student %s loaded (%s over %d ranks, %s)", cfg.model.path, cfg.trainer.backend,
+                      self.backend.dp_size, cfg.trainer.precision)
+        self.refit_ep = None
+        self._refit_cast = None
+        self.refit_dtype = torch_dtype(cfg.generator.precision)
+
+    # ------------------------------------------------------------------------------- refit
+    def join_refit(self, domain_of: Optional[Dict[int, str]]) -> None:
+        """The refit group: every trainer rank (its shards) and each engine's workers. The
+        driver describes both layouts and sends the setup to every generator; the trainer
+        ranks get it inside their group; every member rebuilds the same plan from it."""
+        from hpc_rl.refit.session import RefitEndpoint
+        from hpc_rl.refit.transport import make_transport
+        from hpc_rl.refit.vllm_engine import refit_setup
+
+        cfg, r = self.cfg, self.routes
+        setup = None
+        if self.is_driver:
+            engine_dtype = vllm_dtype(cfg.generator.precision)
+            specs = {n: (shape, engine_dtype) for n, (shape, _) in self.backend.refit_specs().items()}
+            setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
+                                timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
+                                transport=cfg.refit.transport, domain_of=domain_of,
+                                engine_tp=cfg.generator.parallel.tp)
+            for g in r.generators:
+                exchange.send(setup, g)
+        setup = exchange.share(setup, r.driver, self.ctx.groups.role)
+        transport = make_transport(setup.transport, self.ctx.store, setup.prefix, self.rank, setup.world,
+                                   setup.names, setup.timeout_s, cuda=self.ctx.device.startswith("cuda"))
+        self.refit_ep = RefitEndpoint(setup, self.rank, transport, sources=self._refit_sources())
+        if self.is_driver:
+            stats = self.refit_ep.plan.stats
+            self.log.info("refit plan: %d transfers in %d buckets, %.1f MB (%s)", stats["transfers"], stats["buckets"],
+                          stats["bytes"] / 1e6, "domains from the placement" if domain_of else "no domain map")
+
+    def _refit_sources(self):
+        """This rank's shards in the engine's dtype: the live parameters when the dtypes
+        agree, else cast copies kept between refits (so the prepared walk stays valid)."""
+        live = self.backend.local_shards()
+        if all(t.dtype == self.refit_dtype for _, t in live.values()):
+            return {self.rank: live}
+        if self._refit_cast is None:
+            self._refit_cast = {n: (start, t.to(self.refit_dtype)) for n, (start, t) in live.items()}
+        else:
+            for n, (_, t) in live.items():
+                self._refit_cast[n][1].copy_(t)
+        return {self.rank: self._refit_cast}
+
+    def refit(self) -> float:
+        """Send this rank's shards along the refit plan (the driver has ordered the engines
+        to receive). Raises RefitError naming a peer that died or is late."""
+        t0 = time.perf_counter()
+        self.refit_ep.set_sources(self._refit_sources())
+        self.refit_ep.run(self.cfg.refit.timeout_s)
+        return time.perf_counter() - t0
+
+    # --------------------------------------------------------------------------- logprobs
+    def student_logprobs(self, rows: List[SampleRow]) -> torch.Tensor:
+        """[B, T] student log-probs of the whole batch: each trainer rank computes its
+        strided share, then the ranks exchange shares."""
+        full = pad_rows(rows, self.pad_id)
+        n_tr = self.backend.dp_size
+        mine = exchange.strided(len(rows), self.backend.dp_rank, n_tr)
+        lp = self.backend.logprobs(full.input_ids[mine], full.attention_mask[mine]).float().cpu()
+        if n_tr == 1:
+            return lp
+        out = torch.zeros(full.input_ids.shape, dtype=torch.float32)
+        for k, t in enumerate(exchange.gather_all(lp, self.ctx.groups.role)):
+            out[exchange.strided(len(rows), k, n_tr)] = t
+        return out
+
+    # ------------------------------------------------------------------------------ train
+    def advantages(self, b: Batch) -> torch.Tensor:
+        mask = b.rollouts.response_mask
+        if self.cfg.algo.name == "mopd":
+            o = self.cfg.algo.opd
+            return opd_advantages(b.teacher_logprobs, b.student_logprobs, mask, o.adv_clip, o.baseline)
+        g = self.cfg.algo.grpo
+        adv = grpo_advantages(b.rewards, self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std)
+        return per_token(adv, mask)
+
+    def train(self, b: Batch) -> Dict[str, Any]:
+        """One optimizer step per `trainer.global_batch_size` minibatch; each data-parallel
+        rank takes its strided rows of the minibatch in `trainer.micro_batch_size` pieces."""
+        a, tr = self.cfg.algo, self.cfg.trainer
+        r = b.rollouts
+        mask = r.response_mask
+        adv = b.advantages = self.advantages(b)
+        mm = a.mismatch
+        weights = importance_weights(b.student_logprobs, r.generation_logprobs, mask, mm.kind, mm.min, mm.max)
+        keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
+        train_mask = mask & keep_seq[:, None]
+        n, dp = len(b.rows), self.backend.dp_size
+        metrics: List[Dict[str, float]] = []
+        for start in range(0, n, tr.global_batch_size):
+            idx = torch.tensor(list(range(start, min(start + tr.global_batch_size, n)))[self.backend.dp_rank::dp])
+            tokens = max(int(train_mask[idx].sum()), 1)  # the rank's share's tokens: the loss's denominator
+
+            def loss_fn(lp, rows, idx=idx, tokens=tokens):
+                i = idx[rows]
+                loss, m = policy_loss(lp, b.student_logprobs[i], adv[i], train_mask[i], kind=a.loss.kind,
+                                      clip_low=a.loss.ratio_clip_low, clip_high=a.loss.ratio_clip_high,
+                                      weights=weights[i])
+                # policy_loss averages over the micro-batch's tokens; rescale to the share's
+                return loss * (max(int(train_mask[i].sum()), 1) / tokens), m
+
+            metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn,
+                                                   micro_batch_size=tr.micro_batch_size))
+        out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        if dp > 1:  # average the ranks' minibatch metrics
+            keys = sorted(out)
+            v = torch.tensor([out[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(v, group=self.ctx.groups.role)
+            out = {k: float(x) / dp for k, x in zip(keys, v)}
+        out["advantage_mean"] = float(masked_mean(adv, mask))
+        out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
+        out["optimizer_steps"] = len(metrics)
+        return out
