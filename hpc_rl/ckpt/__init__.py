@@ -3,10 +3,8 @@
 from hpc_rl.ckpt.checkpoint import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
-    ResumeScan,
     apply_retention,
     capture_rng_state,
-    find_resumable,
     list_checkpoints,
     load_checkpoint,
     model_fingerprint,
@@ -17,6 +15,7 @@ from hpc_rl.ckpt.checkpoint import (
     verify_checkpoint,
 )
 from hpc_rl.ckpt.export import export_hf
+from hpc_rl.ckpt.resume import ResumeScan, find_resumable
 
 __all__ = [
     "CorruptCheckpointError", "IncompatibleCheckpointError", "ResumeScan", "apply_retention", "capture_rng_state",
