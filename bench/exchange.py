@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.plan import build_plan  # noqa: E402
 from hpc_rl.refit.vllm_engine import SampleRow  # noqa: E402
-from hpc_rl.rl.routes import Routes  # noqa: E402
+from hpc_rl.messaging.routes import Routes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "exchange.json"
 LOCAL = ["+recipe=tiny_mopd", "run.max_steps=4", "data.eval_prompts_per_task=0", "algo.prompts_per_step=32",

@@ -12,7 +12,11 @@ One directory per run holds everything the job side reads and writes:
   stopped.<restart>.json         the ranks saved and stopped on request: requeue, do not fail
   job_exit.json                  the batch shell's verdict (read when Slurm forgot the job)
   restarts.jsonl                 one line per resume
+  timing/<role>.<rank>.<restart>.jsonl     per rank: its phase times, one line per training step
+  timing/<role>.<rank>.<restart>.now.json  per rank: the phase it is in, since when (observe/timing.py)
   metrics.jsonl, rollouts.h5, progress.json, summary.json   the RL records (rl/records.py)
+  tensorboard/, wandb/, mlruns/  the loggers of `logger` (observe/loggers.py); loggers.json: their run ids
+  plots/                         PNGs of the metrics (observe/plots.py, `python -m hpc_rl.plot`)
   submitit/                      per-rank result pickles (and the executor's submission pickle)
   checkpoints/, final_hf/        trainer checkpoints and the exported Hugging Face model
   topology.<restart>.txt, placement.<restart>.json   `scontrol show topology`, the placement made of it
@@ -79,6 +83,12 @@ class RunDir:
     JOB_META = "job.json"
     TRAIN_DATA = "data/train.jsonl"
     CONFIG_READS = "config_reads"
+    TIMING = "timing"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"  # W&B itself names the folder it makes in the directory it is given
+    MLRUNS = "mlruns"
+    LOGGERS = "loggers.json"
+    PLOTS = "plots"
     # per restart: a requeued job must never read the last attempt's request or verdict
     LOG = "{role}.{restart}.{stream}"
     ERROR_REPORT = "{role}.{rank}.{restart}.txt"
@@ -88,6 +98,9 @@ class RunDir:
     STOPPED = "stopped.{restart}.json"
     TOPOLOGY = "topology.{restart}.txt"
     PLACEMENT = "placement.{restart}.json"
+    STEP_TIMING = "{role}.{rank}.{restart}.jsonl"
+    PHASE_NOW_SUFFIX = ".now.json"
+    PHASE_NOW = "{role}.{rank}.{restart}" + PHASE_NOW_SUFFIX
 
     def __init__(self, path: Union[str, Path]):
         self.path = Path(path)
@@ -175,6 +188,30 @@ class RunDir:
     def config_reads(self) -> Path:
         return self.path / self.CONFIG_READS
 
+    @property
+    def timing(self) -> Path:
+        return self.path / self.TIMING
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / self.TENSORBOARD
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / self.WANDB
+
+    @property
+    def mlruns(self) -> Path:
+        return self.path / self.MLRUNS
+
+    @property
+    def loggers(self) -> Path:
+        return self.path / self.LOGGERS
+
+    @property
+    def plots(self) -> Path:
+        return self.path / self.PLOTS
+
     # ------------------------------------------------------------------ per restart
     def log(self, role: str, restart: Restart, stream: str) -> Path:
         """stream: out | err."""
@@ -200,6 +237,12 @@ class RunDir:
 
     def placement(self, restart: Restart) -> Path:
         return self.path / self.PLACEMENT.format(restart=restart)
+
+    def step_timing(self, role: str, rank, restart: Restart) -> Path:
+        return self.timing / self.STEP_TIMING.format(role=role_file_name(role), rank=rank, restart=restart)
+
+    def phase_now(self, role: str, rank, restart: Restart) -> Path:
+        return self.timing / self.PHASE_NOW.format(role=role_file_name(role), rank=rank, restart=restart)
 
     # ------------------------------------------------------------------ the batch shell
     def shell_vars(self, restart: str) -> List[Tuple[str, Path]]:

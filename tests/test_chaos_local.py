@@ -49,8 +49,9 @@ def test_a_rank_stuck_while_alive_is_named_by_the_progress_watchdog(tmp_path):
     proc = _launch(*SMALL, f"run.dir={run}", "ft.inject_failure=generator:0:hang@2", "ft.progress_timeout_s=8")
     assert proc.returncode != 0
     verdict = (run / "errors" / "dead_rank.0.txt").read_text()
-    assert verdict.startswith("generator:0 made no progress for") and "stuck in 'step 1" in verdict
-    assert "while the others wait in ['step 2 generate']" in verdict
+    # at work in step 2 while the trainer waits for its rows and the env rank for step 2's
+    assert verdict.startswith("generator:0 made no progress for") and "stuck in 'step 2 sample'" in verdict
+    assert "while the others wait in ['step 1 wait', 'step 2 wait_rows']" in verdict
     assert "generator:0 made no progress" in proc.stderr
 
 

@@ -51,6 +51,7 @@ INVALID = [
     (["refit.transport=ucx"], "refit.transport", "torch"),
     (["ft.inject_failure=trainer:0:stall@4"], "ft.inject_failure", "stall<seconds>"),
     (["cluster.nvlink_domain_nodes=8"], "cluster.nvlink_domain_nodes", "fewer nodes than its 16 usable ones"),
+    (["generator.max_model_len=262144"], "generator.max_model_len", "exceeds trainer.max_seq_len=196608"),
 ]
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from hpc_rl.plan.placement import JobPlacement, RolePlacement
 from hpc_rl.rl.roles_setup import domains_for_refit
-from hpc_rl.rl.routes import Routes
+from hpc_rl.messaging.routes import Routes
 
 
 def _ctx(placement):

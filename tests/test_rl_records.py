@@ -8,8 +8,9 @@ import json
 import h5py
 import numpy as np
 
-from hpc_rl.rl.exchange import interleave, strided
-from hpc_rl.rl.records import MetricsLog, Progress, RolloutStore, progress_line, read_progress, render_summary, summarize
+from hpc_rl.messaging.p2p import interleave, strided
+from hpc_rl.observe.progress import progress_line, read_progress
+from hpc_rl.rl.records import MetricsLog, Progress, RolloutStore, render_summary, summarize
 
 
 def test_strided_and_interleave_are_inverse():

@@ -7,9 +7,9 @@ import typing
 from collections import Counter
 
 from hpc_rl.config.schema import GeneratorConfig, TrainerConfig
-from hpc_rl.engines.base import ENGINES
-from hpc_rl.models.backend import BACKENDS
-from hpc_rl.rl.routes import Routes
+from hpc_rl.engines.registry import ENGINES
+from hpc_rl.models.registry import BACKENDS
+from hpc_rl.messaging.routes import Routes
 
 
 def _literal(cls, name):
@@ -45,9 +45,9 @@ def test_a_generators_messages_do_not_grow_with_the_world():
     small = _per_rank(_routes(2, 4, 2, 2, 2))
     big = _routes(256, 512, 12, 5, 16)  # the flagship's shape: 860 ranks
     c = _per_rank(big)
-    # a generator: 2 orders in, rows to its env, each teacher head and the driver
-    assert {c[g] for g in big.generators} == {2 + 1 + 5 + 1}
-    assert max(small[g] for g in range(2, 6)) == 2 + 1 + 2 + 1
+    # a generator: one order in (the refit after it needs none), rows to its env, each teacher head and the driver
+    assert {c[g] for g in big.generators} == {1 + 1 + 5 + 1}
+    assert max(small[g] for g in range(2, 6)) == 1 + 1 + 2 + 1
     # an env rank hears from its generators and answers once
     assert max(c[e] for e in big.envs) == -(-512 // 12) + 1
     # a teacher head: every generator, its group and the driver

@@ -19,6 +19,9 @@ from typing import Dict, List, Literal, Optional
 
 from .trace import Traced
 
+# The experiment loggers `logger` may list; hpc_rl/observe/loggers.py registers one backend
+# per name (tests/test_observe.py checks that they agree).
+LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
 Precision = Literal["bf16", "fp16", "fp32"]
 
 
@@ -323,6 +326,25 @@ class RefitConfig(Traced):
 
 
 @dataclass
+class LoggingConfig(Traced):
+    """Settings of the experiment loggers named in `logger` (hpc_rl/observe/loggers.py).
+
+    A setting whose logger is not on is refused by validation (nothing would read it).
+    Credentials are never config keys: W&B and MLflow read them from the environment
+    (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD), so they
+    never reach config.yaml, rendered scripts or logs."""
+
+    tensorboard_dir: Optional[str] = None  # this run's event files; None: <run dir>/tensorboard
+    wandb_project: str = "hpc_rl"
+    wandb_entity: Optional[str] = None  # None: the API key's default entity
+    # offline: W&B writes <run dir>/wandb/ and `wandb sync` uploads it later (compute nodes
+    # often cannot reach the internet); online: streams to the W&B server while it runs
+    wandb_mode: Literal["offline", "online"] = "offline"
+    mlflow_tracking_uri: Optional[str] = None  # None: a file store in <run dir>/mlruns
+    mlflow_experiment: str = "hpc_rl"
+
+
+@dataclass
 class RunConfig(Traced):
     recipe: Optional[str] = None  # set from the +recipe= choice
     run: RunSection = field(default_factory=RunSection)
@@ -340,3 +362,7 @@ class RunConfig(Traced):
     container: ContainerConfig = field(default_factory=ContainerConfig)
     ft: FaultConfig = field(default_factory=FaultConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
+    # Where trainer rank 0 sends metrics: jsonl (metrics.jsonl, always on), tensorboard,
+    # wandb, mlflow; the same metric names and step axis in each (hpc_rl/observe/metrics.py).
+    logger: List[str] = field(default_factory=lambda: ["jsonl"])
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

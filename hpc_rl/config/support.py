@@ -131,9 +131,6 @@ FACTS: List[Fact] = [
          "NVLink domain's usable nodes", example=2),
     Fact("cluster.nvlink_domain_nodes", "validation: a domain's usable nodes are at most its nodes", example=8),
     Fact("model.num_experts", "validation: each role's expert parallel size divides the experts", example=7),
-    # Labels for people and records of the run; nothing computes with them.
-    Fact("model.name", "a label of the model"),
-    Fact("model.params_b", "a label: the model's size in billions of parameters"),
 ]
 
 

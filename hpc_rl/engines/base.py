@@ -9,7 +9,7 @@ refit plan's destination layout, joins the refit group and receives refits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Dict, List, Protocol, Sequence, Tuple, runtime_checkable
 
 from hpc_rl.refit.vllm_engine import SampleRow
 
@@ -52,19 +52,3 @@ class EngineSpec:
     max_model_len: int
     seed: int
     on_gpu: bool
-
-
-def _vllm(spec: EngineSpec) -> InferenceEngine:
-    from .vllm import VLLMEngine
-
-    return VLLMEngine.from_spec(spec)
-
-
-# generator.backend -> factory; the schema's Literal and these names agree (tests/test_roles.py)
-ENGINES: Dict[str, Callable[[EngineSpec], InferenceEngine]] = {"vllm": _vllm}
-
-
-def build_engine(name: str, spec: EngineSpec) -> InferenceEngine:
-    if name not in ENGINES:
-        raise ValueError(f"generator.backend={name!r} has no implementation in this version (have {sorted(ENGINES)})")
-    return ENGINES[name](spec)

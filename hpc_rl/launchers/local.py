@@ -123,7 +123,7 @@ class ProgressDisplay:
         self.next_poll = 0.0
 
     def poll(self) -> None:
-        from hpc_rl.rl.records import progress_line, read_progress
+        from hpc_rl.observe.progress import progress_line, read_progress
 
         if time.monotonic() < self.next_poll:
             return

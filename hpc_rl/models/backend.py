@@ -2,7 +2,8 @@
 scores (a teacher), and the registry `trainer.backend` selects from.
 
 The loop never reaches into a backend's model: it asks for log-probs, a train step over
-micro-batches, the refit source layout (this rank's shards) and checkpoint state. A
+micro-batches, the refit source layout (this rank's shards) and checkpoint state (models/registry.py
+selects the implementation). A
 backend that cannot honour a config value is refused by validation
 (`hpc_rl/config/support.py`) before anything is submitted, never here at run time.
 """
@@ -10,7 +11,7 @@ backend that cannot honour a config value is refused by validation
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -64,24 +65,3 @@ class BackendSpec:
     device: str
     group: Any  # the role's process group
     train: Any = None  # hpc_rl.config.schema.TrainerConfig, or None for inference only
-
-
-def _fsdp2(spec: BackendSpec) -> TrainingBackend:
-    from .fsdp2 import FSDP2Backend
-
-    return FSDP2Backend.from_spec(spec)
-
-
-# trainer.backend -> factory. Names here and the schema's Literal agree (tests/test_roles.py);
-# a name the runtime has no factory for is refused by validation.
-BACKENDS: Dict[str, Callable[[BackendSpec], TrainingBackend]] = {"fsdp2": _fsdp2}
-
-
-def build_backend(name: str, spec: BackendSpec) -> TrainingBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"trainer.backend={name!r} has no implementation in this version (have {sorted(BACKENDS)})")
-    return BACKENDS[name](spec)
-
-
-def available() -> List[str]:
-    return sorted(BACKENDS)

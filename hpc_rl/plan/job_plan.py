@@ -12,7 +12,6 @@ from typing import Dict, List
 
 from hpc_rl.config.resources import derived_dp, derived_segment, gpus_per_node, role_sections, tasks_per_node, teacher_groups
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.rundir import role_file_name  # noqa: F401  (re-exported: runtime/worker.py imports it from here)
 
 TEACHER_PREFIX = "teacher/"
 

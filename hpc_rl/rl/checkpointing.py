@@ -15,7 +15,7 @@ from hpc_rl.rundir import RunDir
 from hpc_rl.runtime.env import RankEnv
 from hpc_rl.runtime.faults import maybe_inject
 
-from . import exchange
+from hpc_rl.messaging import p2p as exchange
 from .records import MetricsLog, RolloutStore
 
 

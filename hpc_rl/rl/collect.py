@@ -6,7 +6,7 @@ Every trainer rank returns the same `Batch`."""
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -14,9 +14,9 @@ from hpc_rl.data.dataset import PromptRecord
 from hpc_rl.engines.base import Sampling
 from hpc_rl.refit.vllm_engine import pad_rows
 
-from . import exchange
-from .batch import COLLECT, TEACHER_EVAL, Batch, Order, request_seed
-from .routes import Routes
+from hpc_rl.messaging import p2p as exchange
+from hpc_rl.messaging.messages import COLLECT, TEACHER_EVAL, Batch, Order, request_seed
+from hpc_rl.messaging.routes import Routes
 
 
 class Collector:
@@ -35,14 +35,21 @@ class Collector:
                                 fields.get("score_teachers", False), fields.get("train", False)), rank)
 
     def collect(self, records: Optional[List[PromptRecord]], sampling: Sampling, stream: int, step: int,
-                score_env: bool, score_teachers: bool, train: bool = False) -> Batch:
-        """`records` on the driver (None on the other trainer ranks)."""
+                score_env: bool, score_teachers: bool, train: bool = False,
+                stop: Optional[str] = None) -> Union[Batch, str]:
+        """`records` on the driver (None on the other trainer ranks). A training collection
+        is followed by a refit, which the generators then expect without another order.
+        With `stop` (the driver's reason to stop for a requeue) nothing is collected: every
+        trainer rank returns the reason, which travels in the share that carries the rows."""
         cfg, r = self.ctx.cfg, self.routes
         score_env = score_env and bool(r.envs)
         score_teachers = score_teachers and bool(r.teachers)
         t0 = time.perf_counter()
+        self.ctx.set_phase("wait_rows")  # the driver orders and gathers; the others wait for its share
         head = None
-        if self.is_driver:
+        if self.is_driver and stop:
+            head = ("stop", stop)
+        elif self.is_driver:
             seeds = {i: request_seed(cfg.run.seed, stream, step, i) for i in range(len(records))}
             self.order(COLLECT, step, records, seeds=seeds, sampling=sampling, score_env=score_env,
                        score_teachers=score_teachers, train=train)
@@ -54,11 +61,16 @@ class Collector:
                 gen_s.append(seconds)
                 for i, row in piece:
                     rows[i] = row
-            head = (records, rows, sorted(versions))
-        records, rows, versions = exchange.share(head, r.driver, self.group)
+            head = ("rows", records, rows, sorted(versions))
+        head = exchange.share(head, r.driver, self.group)
+        if head[0] == "stop":
+            return head[1]
+        _, records, rows, versions = head
         t_gen = time.perf_counter()
         batch = Batch(records, rows, pad_rows(rows, self.pad_id), versions)
+        self.ctx.set_phase("logprobs")
         batch.student_logprobs = self.trainer.student_logprobs(rows)
+        self.ctx.set_phase("wait_scores")  # env ranks and teacher groups answer the driver
         scores = self._scores(len(rows), score_env, score_teachers) if self.is_driver else None
         rewards, correct, teacher = exchange.share(scores, r.driver, self.group)
         if rewards is not None:

@@ -13,7 +13,7 @@ from hpc_rl.algo import reverse_kl_per_teacher
 from hpc_rl.data.dataset import PromptRecord
 from hpc_rl.engines.base import Sampling
 
-from .batch import Batch
+from hpc_rl.messaging.messages import Batch
 from .collect import Collector
 
 GREEDY_STREAM, SAMPLED_STREAM = 2, 3  # seed streams of the eval collections (training uses 1)

@@ -15,6 +15,7 @@ Everything wrong is reported at once as a ConfigError (exit 2): nothing is submi
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -23,6 +24,7 @@ from hpc_rl.config.errors import ConfigError, Violation
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.data import tasks as task_gen
 from hpc_rl.data.dataset import DatasetError, PromptDataset, PromptRecord
+from hpc_rl.observe.loggers import missing_packages
 
 TINY_PREFIX = "tiny:"
 TRAIN_FILE = "data/train.jsonl"
@@ -134,6 +136,9 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
             out.append(Violation("routing", None, str(e), "fix routing.agents / routing.default"))
     if resolved:
         _check_resumable(out, cfg)
+    for name, pkg in missing_packages(cfg.logger):
+        out.append(Violation("logger", name, f"the {name} logger needs the `{pkg}` package, which {sys.executable} cannot import",
+                             f"pip install -e '.[observe]', or remove {name} from logger"))
     if out:
         raise ConfigError(out)
     return cfg, dataset

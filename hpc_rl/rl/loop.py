@@ -31,19 +31,20 @@ from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.data.dataset import PromptIterator
 from hpc_rl.engines.base import Sampling
 from hpc_rl.ft.preemption import save_requested, write_stopped
+from hpc_rl.observe.loggers import open_sink
 from hpc_rl.roles.trainer import TrainerRole
 from hpc_rl.rundir import RunDir
 from hpc_rl.runtime.faults import maybe_inject
 
-from . import exchange
-from .batch import END, REFIT, STOP
+from hpc_rl.messaging import p2p as exchange
+from hpc_rl.messaging.messages import END, REFIT, STOP
 from .checkpointing import Checkpointer
 from .collect import Collector
 from .eval import evaluate
 from .inputs import eval_records, load_dataset
 from .records import MetricsLog, Progress, RolloutStore, summarize
 from .roles_setup import announce_end, domains_for_refit, pad_id_of, serve_role
-from .routes import Routes
+from hpc_rl.messaging.routes import Routes
 from .step_record import brief, record_step
 
 TRAIN_STREAM = 1  # the training collections' seed stream (evaluations use others)
@@ -75,7 +76,9 @@ class RLLoop:
         done = self.ckpt.resume(it)
         if done:
             self.refit(done)  # the engines still hold the initial weights
-        metrics, store = MetricsLog(run_dir), RolloutStore(run_dir)
+        store = RolloutStore(run_dir)
+        # trainer rank 0 alone writes metrics: metrics.jsonl and the loggers of cfg.logger (observe/)
+        metrics = open_sink(cfg, run_dir, MetricsLog(run_dir), done, self.log) if self.driver else None
         progress = Progress(run_dir, cfg.run.max_steps, first_step=done + 1) if self.driver else None
         if self.driver and dataset.skipped:
             self.log.warning("%d malformed dataset rows skipped (data.skip_invalid): lines %s", dataset.skipped,
@@ -86,44 +89,57 @@ class RLLoop:
 
         for step in range(done + 1, cfg.run.max_steps + 1):
             # between steps: has the batch shell asked for a save (USR1: the time limit is near)?
-            why = exchange.share(save_requested(run_dir, self.ctx.ident.restart) if self.driver else None,
-                                 self.routes.driver, self.ctx.groups.role)
-            if why:
-                return self.stop_for_requeue(step - 1, it, why)
+            self.phase(progress, step, "start")  # an injected stall is this rank's own time in this step
+            why = save_requested(run_dir, self.ctx.ident.restart) if self.driver else None
             exchange.mark_step(step)
             ident = self.ctx.ident
             maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, step)
             t0 = time.perf_counter()
-            self.phase(progress, step, "generate")
+            self.phase(progress, step, "wait_rows")
             records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] if self.driver else None
             batch = self.collector.collect(records, self.sampling, TRAIN_STREAM, step, score_env=True,
-                                           score_teachers=self.distill, train=True)
+                                           score_teachers=self.distill, train=True, stop=why)
+            if isinstance(batch, str):  # the driver's reason, shared with the rows' header
+                if metrics:
+                    metrics.close()
+                return self.stop_for_requeue(step - 1, it, batch)
             self.phase(progress, step, "train")
             t_train = time.perf_counter()
             train = self.trainer.train(batch)
             train_s = time.perf_counter() - t_train
             self.phase(progress, step, "refit")
-            refit_s = self.refit(step)
+            refit_s = self.trainer.refit()  # the engines expect it after a training collection
+            ckpt_s = 0.0
             if self.ckpt.due(step):
                 self.phase(progress, step, "checkpoint")
+                t_ckpt = time.perf_counter()
                 self.ckpt.save(step, it)
+                ckpt_s = time.perf_counter() - t_ckpt
             if self.driver:
-                timing = dict(batch.timing, train_s=train_s, refit_s=refit_s, step_s=time.perf_counter() - t0)
+                self.phase(progress, step, "record")
+                timing = dict(batch.timing, train_s=train_s, refit_s=refit_s, checkpoint_s=ckpt_s,
+                              step_s=time.perf_counter() - t0)
                 rec = record_step(step, batch, train, timing, metrics, store)
                 self.log.info("step %d/%d: %s", step, cfg.run.max_steps, brief(rec))
 
         if evals:
             self.evaluate("end", evals, cfg.run.max_steps, progress, metrics)
-        return self.finish(progress, steps=cfg.run.max_steps - done)
+        result = self.finish(progress, steps=cfg.run.max_steps - done)
+        if metrics:
+            metrics.close(finished=True)  # also draws the plots, the last thing a finished run writes
+        return result
 
     # ----------------------------------------------------------------------------- pieces
     def refit(self, version: int) -> float:
-        """The driver orders the engines to receive `version`; every trainer rank sends."""
+        """Outside a step (a resume): the driver orders the engines to receive `version`;
+        every trainer rank sends."""
+        self.ctx.set_phase("refit", None)
         if self.driver:
             self.collector.order(REFIT, version, [])
         return self.trainer.refit()
 
     def evaluate(self, tag: str, evals, step: int, progress, metrics: MetricsLog) -> None:
+        self.ctx.set_phase("eval", None)  # not a training step's time
         if progress:
             progress.update(max(step, 1), f"eval {tag}")
         rec = evaluate(self.collector, tag, evals, step, self.sampling, self.distill)
@@ -131,12 +147,13 @@ class RLLoop:
             metrics.append(rec)
 
     def phase(self, progress, step: int, phase: str) -> None:
-        self.ctx.set_phase(f"step {step} {phase}")
+        self.ctx.set_phase(phase, step)
         if progress:
             progress.update(step, phase)
 
     def stop_for_requeue(self, done_step: int, it: PromptIterator, why: str) -> Dict[str, Any]:
         t0 = time.time()
+        self.ctx.set_phase("stop", None)  # the step it was in is abandoned: a resume recomputes it
         if self.driver:
             self.collector.order(STOP, done_step, [])
         if done_step > self.ckpt.last_saved:
@@ -151,6 +168,7 @@ class RLLoop:
     def finish(self, progress, steps: int) -> Dict[str, Any]:
         """The trained weights: one gather serves both the digest and the HF export."""
         cfg = self.cfg
+        self.ctx.set_phase("finish", None)
         final = self.trainer.backend.full_state_dict()
         digest = weights_digest(final) if self.driver else None
         if cfg.checkpoint.export_final:
@@ -163,7 +181,8 @@ class RLLoop:
         summary = None
         if self.driver:
             self.collector.order(END, cfg.run.max_steps, [])
-            summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe,
+            summary = summarize(self.ctx.run_dir, {"algo": cfg.algo.name, "recipe": cfg.recipe, "model": cfg.model.name,
+                                                   "model_params_b": cfg.model.params_b,
                                                    "final_weights_sha256": digest, "restarts": self.ctx.ident.restart})
             progress.update(cfg.run.max_steps + 1, "done", done_steps=cfg.run.max_steps)
         return {"role": self.ctx.ident.role, "rank": self.ctx.ident.role_rank, "steps": steps, "summary": summary}

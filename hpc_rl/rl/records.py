@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
+from hpc_rl.observe.timing import slowest_ranks
 from hpc_rl.rundir import RunDir, write_atomic
 
 
@@ -123,25 +124,6 @@ class Progress:
                                  "eta_s": per_step * max(left, 0) if per_step else None})
 
 
-def read_progress(run_dir: Path) -> Optional[dict]:
-    p = RunDir(run_dir).progress
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def progress_line(p: Mapping[str, Any], width: int = 24) -> str:
-    total = max(int(p.get("total_steps") or 1), 1)
-    done = min(max(int(p.get("step", 1)) - 1, 0), total)
-    if p.get("phase") in ("done", "eval end"):
-        done = total
-    filled = int(width * done / total)
-    eta = p.get("eta_s")
-    eta_s = f"ETA {int(eta) // 60}:{int(eta) % 60:02d}" if eta is not None else "ETA --:--"
-    return f"[{'#' * filled}{'.' * (width - filled)}] step {min(int(p.get('step', 0)), total)}/{total} {p.get('phase', ''):<10} {eta_s}"
-
-
 # ------------------------------------------------------------------------------------------
 # summary
 
@@ -171,13 +153,18 @@ def summarize(run_dir: Path, extra: Optional[Mapping[str, Any]] = None) -> dict:
             out["reward_first_steps_mean"] = sum(rewards[:k]) / k
             out["reward_last_steps_mean"] = sum(rewards[-k:]) / k
         out["seconds_per_step_mean"] = sum(s["timing"]["step_s"] for s in steps) / len(steps)
+    # the straggler of each role: its rank with the most busy (not waiting) time per step
+    # (observe/timing.py); ranks that serve may not have written their last step yet
+    slowest = slowest_ranks(run_dir)
+    if slowest:
+        out["slowest_ranks"] = slowest
     out.update(extra or {})
     _atomic_json(RunDir(run_dir).summary, _clean(out))
     return out
 
 
 def render_summary(s: Mapping[str, Any]) -> str:
-    lines = [f"summary: {s.get('steps', 0)} steps"]
+    lines = [f"summary: {s.get('steps', 0)} steps" + (f" of {s['model']}" if s.get("model") else "")]
     start, end = s.get("start") or {}, s.get("end") or {}
     kl0, kl1 = start.get("reverse_kl") or {}, end.get("reverse_kl") or {}
     if kl0 or kl1:
@@ -197,6 +184,11 @@ def render_summary(s: Mapping[str, Any]) -> str:
     if s.get("token_mult_prob_error_max") is not None:
         lines.append(f"  vLLM vs trainer token_mult_prob_error: mean {s['token_mult_prob_error_mean']:.5f}, "
                      f"max {s['token_mult_prob_error_max']:.5f}")
+    if s.get("slowest_ranks"):  # busy: s per step not waiting for other ranks (observe/timing.py)
+        lines.append(f"  {'slowest rank per role':<24}{'rank':<20}{'busy s':>8}{'median':>8}{'step s':>8}")
+        for role, w in s["slowest_ranks"].items():
+            lines.append(f"  {role:<24}{w['rank']:<20}{w['busy_s_mean']:>8.3f}{w['busy_s_mean_median']:>8.3f}"
+                         f"{w['step_s_mean']:>8.3f}  of {w['ranks']} ranks; on {w['node']}")
     return "\n".join(lines)
 
 

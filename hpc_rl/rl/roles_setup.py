@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from .routes import Routes
+from hpc_rl.messaging.routes import Routes
 
 END_KEY = "rl/{restart}/over"  # set by the driver when the run ends; idle ranks wait for it
 IDLE_POLL_S = 1.0
@@ -58,7 +58,7 @@ def wait_for_end(ctx) -> None:
     """An idle rank (nothing routed to it) waits for the run's end on the store, not in a
     collective whose timeout a long run would exceed."""
     key = END_KEY.format(restart=ctx.ident.restart)
-    ctx.set_phase("idle: nothing is routed to this rank")
+    ctx.set_phase("wait_end", None)  # nothing is routed to this rank
     while not ctx.store.check([key]):
         time.sleep(IDLE_POLL_S)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from hpc_rl.algo import token_mult_prob_error
 
-from .batch import Batch
+from hpc_rl.messaging.messages import Batch
 from .eval import accuracy_by_task, reverse_kl
 from .records import MetricsLog, RolloutStore
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from hpc_rl.envs.registry import score
-from hpc_rl.rl import exchange
-from hpc_rl.rl.batch import END, STOP, Work
-from hpc_rl.rl.routes import Routes
+from hpc_rl.messaging import p2p as exchange
+from hpc_rl.messaging.messages import END, STOP, Work
+from hpc_rl.messaging.routes import Routes
 from hpc_rl.runtime.faults import maybe_inject
 
 
@@ -37,9 +37,12 @@ class EnvRole:
             done["idle"] = True
             return done
         while True:
+            self.ctx.set_phase("wait")  # for the rows of this rank's generators
             work: List[Work] = [exchange.recv(src) for src in self.sources]
             kind = work[0].kind
             done["rounds"] += 1
+            busy = "verify" if work[0].train else "eval"
+            self.ctx.set_phase(busy if work[0].wanted else "wait", work[0].step if work[0].train else None)
             if work[0].train:
                 done["steps"] += 1
                 exchange.mark_step(work[0].step)
@@ -50,5 +53,6 @@ class EnvRole:
             if kind == END:
                 return done
             if work[0].wanted:
-                self.ctx.set_phase(f"verify {sum(len(w.items) for w in work)} rows")
-                exchange.send(verify([it for w in work for it in w.items]), self.routes.driver)
+                scores = verify([it for w in work for it in w.items])
+                self.ctx.set_phase("wait_send")  # the send returns once the driver takes it
+                exchange.send(scores, self.routes.driver)

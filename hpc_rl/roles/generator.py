@@ -8,10 +8,11 @@ import time
 from typing import Any, Dict, List
 
 from hpc_rl.algo.routing import TeacherRouter
-from hpc_rl.engines.base import EngineSpec, InferenceEngine, build_engine
-from hpc_rl.rl import exchange
-from hpc_rl.rl.batch import COLLECT, END, FORWARDED, REFIT, STOP, TEACHER_EVAL, Order, Work
-from hpc_rl.rl.routes import Routes
+from hpc_rl.engines.base import EngineSpec, InferenceEngine
+from hpc_rl.engines.registry import build_engine
+from hpc_rl.messaging import p2p as exchange
+from hpc_rl.messaging.messages import COLLECT, END, FORWARDED, REFIT, STOP, TEACHER_EVAL, Order, Work
+from hpc_rl.messaging.routes import Routes
 from hpc_rl.runtime.faults import maybe_inject
 
 
@@ -45,9 +46,13 @@ class GeneratorRole:
         """Orders until the run ends or stops; returns what this rank did."""
         done = {"role": "generator", "rank": self.index, "orders": 0, "steps": 0}
         while True:
+            self.ctx.set_phase("wait")  # for the driver's next order
             order: Order = exchange.recv(self.routes.driver)
             done["orders"] += 1
-            self.ctx.set_phase(f"step {order.step} {order.kind}")
+            if order.train:  # a training step's collection
+                self.ctx.set_phase("sample", order.step)
+            else:  # evaluations, a resume's refit and the end lie outside the training steps
+                self.ctx.set_phase("eval" if order.kind == COLLECT else order.kind, None)
             if order.kind == REFIT:
                 out = self.engine.refit(order.step, self.cfg.refit.timeout_s)
                 self.log.debug("refit to version %d: %s", order.step, out)
@@ -58,6 +63,11 @@ class GeneratorRole:
                 ident = self.ctx.ident
                 maybe_inject(self.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, order.step)
             self._forward(order)
+            if order.kind == COLLECT and order.train:  # a training step ends with a refit
+                self.ctx.set_phase("refit")
+                out = self.engine.refit(order.step, self.cfg.refit.timeout_s)
+                # blocked on the transport: mostly the trainer's train step before bytes flow
+                self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))
             if order.kind == STOP:
                 return dict(done, stopped_after=order.step)
             if order.kind == END:
@@ -73,6 +83,7 @@ class GeneratorRole:
             rows = self.engine.sample([r.prompt for _, r, _ in order.items], order.sampling,
                                       [seed for _, _, seed in order.items])
         gen_s = time.perf_counter() - t0
+        self.ctx.set_phase("wait_send")  # each send returns once its consumer takes it
         items = [(i, rec, row) for (i, rec, _), row in zip(order.items, rows)]
         env = self.routes.env_of(self.index)
         if env is not None:

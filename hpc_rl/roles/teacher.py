@@ -12,11 +12,12 @@ import torch
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.envs.registry import score
 from hpc_rl.models.assets import chat_prompt
-from hpc_rl.models.backend import BackendSpec, build_backend
+from hpc_rl.models.backend import BackendSpec
+from hpc_rl.models.registry import build_backend
 from hpc_rl.refit.vllm_engine import pad_rows
-from hpc_rl.rl import exchange
-from hpc_rl.rl.batch import END, STOP, TEACHER_EVAL, Work
-from hpc_rl.rl.routes import Routes
+from hpc_rl.messaging import p2p as exchange
+from hpc_rl.messaging.messages import END, STOP, TEACHER_EVAL, Work
+from hpc_rl.messaging.routes import Routes
 from hpc_rl.runtime.faults import maybe_inject
 
 
@@ -40,12 +41,15 @@ class TeacherRole:
                                 "steps": 0}
         while True:
             work = None
+            self.ctx.set_phase("wait")  # for the generators' rows (the head), then the group's share
             if self.is_head:
                 parts: List[Work] = [exchange.recv(g) for g in self.routes.generators]
                 first = parts[0]
                 work = Work(first.kind, first.wanted, first.step, first.train, [it for p in parts for it in p.items])
             work = exchange.share(work, self.head, self.ctx.groups.role)
             done["rounds"] += 1
+            busy = "eval" if work.kind == TEACHER_EVAL or not work.train else "score"
+            self.ctx.set_phase(busy if work.wanted else "wait", work.step if work.train else None)
             if work.train:
                 done["steps"] += 1
                 exchange.mark_step(work.step)
@@ -57,9 +61,9 @@ class TeacherRole:
                 return done
             if not work.wanted:
                 continue
-            self.ctx.set_phase(f"teacher {work.kind} {len(work.items)} rows")
             out = self.accuracy(work.items) if work.kind == TEACHER_EVAL else self.score(work.items)
             if self.is_head:
+                self.ctx.set_phase("wait_send")  # the send returns once the driver takes it
                 exchange.send(out, self.routes.driver)
 
     def score(self, items) -> Dict[int, List[float]]:

@@ -13,12 +13,13 @@ import torch.distributed as dist
 
 from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_advantages, per_token, policy_loss,
                          sequence_keep_mask)
-from hpc_rl.models.backend import BackendSpec, TrainingBackend, build_backend
+from hpc_rl.models.backend import BackendSpec, TrainingBackend
+from hpc_rl.models.registry import build_backend
 from hpc_rl.precision import torch_dtype, vllm_dtype
 from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
-from hpc_rl.rl import exchange
-from hpc_rl.rl.batch import Batch
-from hpc_rl.rl.routes import Routes
+from hpc_rl.messaging import p2p as exchange
+from hpc_rl.messaging.messages import Batch
+from hpc_rl.messaging.routes import Routes
 
 
 class TrainerRole:
@@ -89,6 +90,10 @@ class TrainerRole:
     def student_logprobs(self, rows: List[SampleRow]) -> torch.Tensor:
         """[B, T] student log-probs of the whole batch: each trainer rank computes its
         strided share, then the ranks exchange shares."""
+        longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+        if longest > self.cfg.trainer.max_seq_len:  # validation keeps the engine's limit below it
+            raise RuntimeError(f"a sampled sequence has {longest} tokens, more than trainer.max_seq_len="
+                               f"{self.cfg.trainer.max_seq_len}; set generator.max_model_len <= trainer.max_seq_len")
         full = pad_rows(rows, self.pad_id)
         n_tr = self.backend.dp_size
         mine = exchange.strided(len(rows), self.backend.dp_rank, n_tr)

@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional
 import torch.distributed as dist
 
 from hpc_rl.ft.culprit import STOPPED_BY_PEER_EXIT as ABORT_EXIT_CODE  # a peer died; this rank stopped on purpose
+from hpc_rl.observe.timing import is_waiting, parse_status
 from hpc_rl.rundir import RunDir
 
 
@@ -156,14 +157,19 @@ class Heartbeat:
             pass
 
     def _progress_check(self, store, now: float, memo: Dict[str, object]) -> Optional[str]:
-        """Alive but stuck: no rank's phase changed for progress_timeout_s. Names the ranks in
-        the earliest phase (the others wait for them)."""
+        """Alive but stuck: no rank's phase changed for progress_timeout_s. Names the ranks at
+        work in the earliest phase: the waiting ones (phases "wait...", observe/timing.py) wait
+        for them. When every rank waits (a lost message), names the earliest."""
         statuses = {}
         for r in range(self.world):
             k = self.key(f"{r}/status")
             statuses[r] = self.status if r == self.rank else (store.get(k).decode() if store.check([k]) else "start")
-        if not all(v.startswith("step ") for v in statuses.values()):
-            memo.clear()  # start-up (loading models, engines) and the end are not watched: only steps
+        parsed = {r: parse_status(v) for r, v in statuses.items()}
+        in_steps = all(step is not None or is_waiting(phase) for step, phase in parsed.values())
+        if not in_steps or all(step is None for step, _ in parsed.values()):
+            # start-up (loading models, engines), evaluations and the end are not watched: only
+            # steps, where a serving rank may still wait for its first step's work
+            memo.clear()
             return None
         snapshot = tuple(sorted(statuses.items()))
         if memo.get("snapshot") != snapshot:
@@ -174,9 +180,10 @@ class Heartbeat:
             return None
 
         def order(status: str) -> tuple:
-            parts = status.split()
-            return (int(parts[1]) if len(parts) > 1 and parts[0] == "step" and parts[1].isdigit() else -1, status)
-        earliest = min(statuses.values(), key=order)
+            step, _ = parse_status(status)
+            return (-1 if step is None else step, status)
+        working = {r: v for r, v in statuses.items() if not is_waiting(parsed[r][1])}
+        earliest = min((working or statuses).values(), key=order)
         behind = [self.describe(r) for r, v in sorted(statuses.items()) if v == earliest]
         others = sorted({v for v in statuses.values() if v != earliest})
         return (f"{', '.join(behind)} made no progress for {stalled:.1f}s (ft.progress_timeout_s={self.progress_timeout_s:g}), "

@@ -28,7 +28,9 @@ from omegaconf import OmegaConf
 from hpc_rl.config.convert import to_typed
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.trace import write_rank_reads
-from hpc_rl.plan.job_plan import JobPlan, role_file_name
+from hpc_rl.observe.timing import KEEP, PhaseClock, status_text
+from hpc_rl.plan.job_plan import JobPlan
+from hpc_rl.rundir import role_file_name
 
 from hpc_rl.rundir import RunDir
 
@@ -56,13 +58,31 @@ class RankContext:
     store_addr: str = "127.0.0.1"  # where the TCPStore listens (vLLM workers join refit groups through it)
     store_port: int = 0
     heartbeat: Any = None  # hpc_rl.runtime.heartbeat.Heartbeat, or None when ft.heartbeat_timeout_s = 0
+    clock: Optional[PhaseClock] = None  # this rank's phase times (timing/ in the run directory)
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, step: Any = KEEP) -> None:
+        """This rank is now in `phase` of training step `step` (None: outside the steps;
+        omitted: the current step). One call feeds the heartbeat's status (the progress
+        watchdog) and the phase clock (the timing files and the live view)."""
+        if self.clock is not None:
+            self.clock.enter(phase, step)
+            step = self.clock.step
+        elif step is KEEP:
+            step = None
         if self.heartbeat is not None:
-            self.heartbeat.set_status(phase)
+            self.heartbeat.set_status(status_text(phase, step))
+
+    def carve_phase(self, phase: str, seconds: float) -> None:
+        """`seconds` of the current phase were really `phase` (observe/timing.py PhaseClock.carve)."""
+        if self.clock is not None:
+            self.clock.carve(phase, seconds)
 
     def finish(self) -> None:
         """Call before the program's final barrier: silence from here on is not a death."""
+        if self.clock is not None:
+            self.clock.close()
+            if self.clock.error:  # timing is best effort; say once that it is incomplete
+                self.log.warning("phase timing incomplete: %s", self.clock.error)
         if self.heartbeat is not None:
             self.heartbeat.finish()
 
@@ -141,7 +161,9 @@ def run_rank(run_dir: str, environ: Optional[dict] = None) -> Any:
     maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart)
     if cfg.run.program not in PROGRAMS:
         raise RuntimeError(f"run.program={cfg.run.program!r} is not available in this version (have {sorted(PROGRAMS)})")
-    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement, addr, port, heartbeat)
+    ctx = RankContext(run_path, cfg, plan, ident, store, groups, device, log, timing, placement, addr, port, heartbeat,
+                      PhaseClock(run_path, ident.role, ident.role_rank, ident.restart, ident.node))
+    ctx.set_phase("setup", None)
     try:
         result = PROGRAMS[cfg.run.program]()(ctx)
     except BaseException as exc:

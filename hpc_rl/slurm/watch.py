@@ -1,18 +1,35 @@
-"""Follow or cancel a submitted run: `python -m hpc_rl.slurm.watch RUN_DIR [--cancel]`.
+"""Follow or cancel a run: `python -m hpc_rl.slurm.watch RUN_DIR [--once] [--steps N] [--poll S] [--cancel]`.
 
-Prints one line per change of any component's state, then the outcome per role.
+Shows the job's state and the live view of hpc_rl/observe/live.py: what every role is doing
+now, key metrics and the slowest rank of each role for the last steps. It redraws on a
+terminal and prints a snapshot per finished step otherwise; `--once` prints one and exits.
+
+Where the state comes from: a `launcher=slurm` run has job.json, so Slurm's states of each
+component (sacct or squeue, then the batch shell's exit record). A `launcher=local` run, or
+a hand-submitted script, has no job handle to ask: its state is what the run directory
+records (FINISHED, error reports, a stop for a requeue, job_exit.json). Either way nothing
+but the run directory and, for Slurm runs, the Slurm commands is needed.
+
+`follow` (used by `launcher.wait=true`) prints one line per change of any component's state.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
+
+from hpc_rl.observe.live import COMPLETED, DEFAULT_STEPS, FAILED, STOPPED, file_state, last_step, render
+from hpc_rl.rl.records import render_summary
+from hpc_rl.rundir import RunDir
 
 from .executor import TERMINAL_BAD, HetJob, job_from_run_dir
 
 TERMINAL = ("COMPLETED", *TERMINAL_BAD)
+FILE_TERMINAL = (COMPLETED, FAILED, STOPPED)
 
 
 def status_line(job: HetJob, states: Dict[str, str], t0: float) -> str:
@@ -58,19 +75,73 @@ def summarize(job: HetJob) -> str:
     return "\n".join(lines)
 
 
+def job_state(job: Optional[HetJob], run_dir: Path) -> Tuple[str, str, bool]:
+    """(overall state, the view's state line, whether it is final)."""
+    if job is None:
+        state, detail = file_state(run_dir)
+        return state, f"{state} (no Slurm job: state from the run directory)" + (f": {detail}" if detail else ""), \
+            state in FILE_TERMINAL
+    states = job.component_states(force=True)
+    overall = job.watcher.get_state(job.job_id, mode="cache")
+    cells = "  ".join(f"{role}={states.get(role, '?')}" for role in job.roles)
+    return overall, f"job {job.job_id} {overall} ({job.watcher.source}): {cells}", overall in TERMINAL
+
+
+def watch(run_dir: Path, once: bool = False, steps: int = DEFAULT_STEPS, poll_s: float = 2.0,
+          echo: Callable[[str], None] = print, lost_after_s: float = 60.0) -> str:
+    """Show the live view until the run ends (or once); returns the last overall state."""
+    job = job_from_run_dir(run_dir) if RunDir(run_dir).job_meta.exists() else None
+    tty = sys.stdout.isatty() and echo is print
+    last_key = None
+    unknown_since: Optional[float] = None
+    while True:
+        overall, line, final = job_state(job, run_dir)
+        view = render(run_dir, line, steps)
+        if once:
+            echo(view)
+            return overall
+        # a terminal gets a redrawn screen; a file or pipe a snapshot per state or step change
+        key = view if tty else (line, last_step(run_dir))
+        if key != last_key:
+            echo(("\x1b[H\x1b[2J" if tty else "") + view + ("" if tty else "\n"))
+            last_key = key
+        if overall == "UNKNOWN":  # Slurm forgot a job that left no exit record: lost
+            unknown_since = unknown_since or time.monotonic()
+            final = time.monotonic() - unknown_since > lost_after_s
+        else:
+            unknown_since = None
+        if final:
+            if job is not None:
+                echo(f"job {job.job_id} {overall}\n{summarize(job)}")
+            summary = RunDir(run_dir).summary
+            if summary.exists():  # the driver's end-of-run summary, slowest ranks included
+                echo(render_summary(json.loads(summary.read_text())))
+            return overall
+        time.sleep(poll_s)
+
+
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0].startswith("-"):
-        print("usage: python -m hpc_rl.slurm.watch RUN_DIR [--cancel]", file=sys.stderr)
+    ap = argparse.ArgumentParser(prog="python -m hpc_rl.slurm.watch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="how many recent steps to show")
+    ap.add_argument("--poll", type=float, default=2.0, help="seconds between refreshes")
+    ap.add_argument("--cancel", action="store_true", help="cancel the run's Slurm job")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if not (args.run_dir / RunDir.CONFIG).exists():
+        print(f"{args.run_dir}: not a run directory (no {RunDir.CONFIG})", file=sys.stderr)
         return 2
-    job = job_from_run_dir(Path(args[0]))
-    if "--cancel" in args:
+    if args.cancel:
+        if not RunDir(args.run_dir).job_meta.exists():
+            print(f"{args.run_dir} has no Slurm job (launcher=local?): stop its launcher instead (Ctrl-C)",
+                  file=sys.stderr)
+            return 2
+        job = job_from_run_dir(args.run_dir)
         job.cancel()
         print(f"cancelled job {job.job_id}")
         return 0
-    state = follow(job)
-    print(f"job {job.job_id} {state}\n{summarize(job)}")
-    return 0 if state == "COMPLETED" else 1
+    state = watch(args.run_dir, once=args.once, steps=args.steps, poll_s=args.poll)
+    return 0 if args.once or state == COMPLETED else 1
 
 
 if __name__ == "__main__":

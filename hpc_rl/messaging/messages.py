@@ -19,7 +19,7 @@ from hpc_rl.refit.vllm_engine import Rollouts, SampleRow
 # Order kinds, the generator's whole vocabulary:
 COLLECT = "collect"  # sample the items, forward them to env and teachers, return the rows
 TEACHER_EVAL = "teacher_eval"  # no sampling: teachers answer the items greedily (their own accuracy)
-REFIT = "refit"  # receive the trainer's weights of step `step`
+REFIT = "refit"  # receive the trainer's weights of step `step` (a resume; training collections imply one)
 STOP = "stop"  # a save was requested (time limit): stop for a requeue
 END = "end"  # the run is complete
 FORWARDED = (COLLECT, TEACHER_EVAL, STOP, END)  # kinds generators pass on to their scorers
@@ -40,7 +40,7 @@ class Order:
     sampling: Optional[Sampling] = None
     score_env: bool = False  # env ranks verify the rows and answer the driver
     score_teachers: bool = False  # teacher groups score their routed rows and answer the driver
-    train: bool = False  # a training step's collection (where ft.inject_failure's @step fires)
+    train: bool = False  # a training step's collection: ft.inject_failure's @step fires, a refit follows
 
 
 @dataclass

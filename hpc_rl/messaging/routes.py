@@ -69,7 +69,7 @@ class Routes:
         out: List[Tuple[str, int, int]] = []
         d = self.driver
         for g, gr in enumerate(self.generators):
-            out += [("order", d, gr), ("refit_order", d, gr)]
+            out.append(("order", d, gr))  # a training order implies the refit that follows
             e = self.env_of(g)
             if e is not None:
                 out.append(("rows", gr, e))
@@ -79,6 +79,6 @@ class Routes:
         for t, ranks in self.teachers.items():
             out.append(("teacher_logprobs", ranks[0], d))
             out += [("group:rows", ranks[0], r) for r in ranks[1:]]
-        for what in ("group:save_request", "group:batch", "group:scores"):
+        for what in ("group:rows", "group:scores"):  # the rows' share also carries a stop
             out += [(what, d, r) for r in self.trainer[1:]]
         return out

@@ -1,0 +1,321 @@
+"""Per-rank phase timing (hpc_rl/observe/timing.py), the live view (observe/live.py,
+`python -m hpc_rl.slurm.watch`), and a live job on the local Slurm cluster watched while it runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.observe import live, timing
+from hpc_rl.observe.timing import KEEP, PhaseClock
+from hpc_rl.rundir import RunDir
+
+
+class FakeClock:
+    """Stands in for the time module inside observe/timing.py: the test moves time."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def time(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+def _walk(clock: FakeClock, pc: PhaseClock, *moves) -> None:
+    """moves: (phase, step, seconds spent in it)."""
+    for phase, step, seconds in moves:
+        pc.enter(phase, step)
+        clock.t += seconds
+
+
+def test_a_rank_records_each_phase_per_step_and_its_current_phase(tmp_path, clock):
+    pc = PhaseClock(tmp_path, "teacher/add", 1, 0, node="n7")
+    _walk(clock, pc, ("setup", None, 5.0), ("wait", KEEP, 1.0),  # outside steps: not recorded
+          ("score", 1, 2.0), ("wait", KEEP, 0.5), ("score", KEEP, 1.0), ("wait", KEEP, 0.25),
+          ("score", 2, 3.0))
+    now = json.loads(RunDir(tmp_path).phase_now("teacher/add", 1, 0).read_text())
+    assert now == {"role": "teacher/add", "rank": 1, "restart": 0, "node": "n7", "step": 2, "phase": "score",
+                   "since": 1009.75, "waiting": False}
+    (line,) = [json.loads(x) for x in RunDir(tmp_path).step_timing("teacher/add", 1, 0).read_text().splitlines()]
+    assert line["step"] == 1 and line["phases"] == {"score": 3.0, "wait": 0.75}
+    assert (line["step_s"], line["busy_s"], line["wait_s"]) == (3.75, 3.0, 0.75)
+    assert (line["start"], line["end"]) == (1006.0, 1009.75) and line["node"] == "n7"
+    pc.enter("score")  # the same phase again (a caller and its callee): nothing changes
+    assert pc.since == 1009.75
+    clock.t += 1.0
+    pc.close()  # the end records the open step and says done
+    lines = [json.loads(x) for x in RunDir(tmp_path).step_timing("teacher/add", 1, 0).read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and lines[1]["phases"] == {"score": 4.0}
+    assert json.loads(RunDir(tmp_path).phase_now("teacher/add", 1, 0).read_text())["phase"] == "done"
+
+
+def test_a_call_that_reports_its_blocked_time_moves_it_to_a_waiting_phase(tmp_path, clock):
+    pc = PhaseClock(tmp_path, "generator", 0, 0)
+    _walk(clock, pc, ("sample", 1, 1.0), ("refit", KEEP, 3.0))
+    pc.carve("wait_refit", 2.5)  # the receive was blocked 2.5 s of its 3 s
+    pc.carve("wait_refit", 9.0)  # never more than the phase has had
+    pc.close()
+    (line,) = [json.loads(x) for x in RunDir(tmp_path).step_timing("generator", 0, 0).read_text().splitlines()]
+    assert line["phases"] == {"sample": 1.0, "refit": 0.0, "wait_refit": 3.0} and line["busy_s"] == 1.0
+
+
+def test_status_text_is_what_the_heartbeat_publishes_and_parses_back():
+    assert timing.status_text("sample", 3) == "step 3 sample"
+    assert timing.status_text("eval", None) == "eval"
+    assert timing.parse_status("step 3 wait_rows") == (3, "wait_rows")
+    assert timing.parse_status("wait_end") == (None, "wait_end")
+    assert timing.is_waiting("wait_scores") and not timing.is_waiting("train")
+
+
+def _step_line(role, rank, step, busy, wait, restart=0, phases=None):
+    return {"role": role, "rank": rank, "restart": restart, "node": f"node{rank}", "step": step, "start": 0.0,
+            "end": 1.0, "step_s": busy + wait, "busy_s": busy, "wait_s": wait,
+            "phases": phases or {"work": busy, "wait": wait}}
+
+
+def _write_steps(run_dir: Path, lines) -> None:
+    rd = RunDir(run_dir)
+    rd.timing.mkdir(parents=True, exist_ok=True)
+    for rec in lines:
+        with rd.step_timing(rec["role"], rec["rank"], rec["restart"]).open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_the_slowest_rank_of_each_role_is_named_per_step_and_over_the_run(tmp_path):
+    _write_steps(tmp_path, [
+        _step_line("generator", 0, 1, 1.0, 0.5), _step_line("generator", 1, 1, 1.4, 0.1),
+        _step_line("generator", 0, 2, 1.2, 0.3), _step_line("generator", 1, 2, 1.1, 0.4),
+        _step_line("generator", 2, 1, 0.9, 0.6), _step_line("generator", 2, 2, 0.8, 0.7),
+        _step_line("trainer", 0, 1, 2.0, 0.1), _step_line("trainer", 0, 2, 2.1, 0.1),
+        # restart 1 recomputed step 2 of trainer:0: its line replaces restart 0's
+        _step_line("trainer", 0, 2, 3.0, 0.1, restart=1)])
+    s1 = timing.slowest_by_role(tmp_path, 1)
+    assert s1["generator"]["rank"] == 1 and s1["generator"]["ranks"] == 3 and s1["generator"]["busy_median_s"] == 1.0
+    assert timing.slowest_by_role(tmp_path, 2)["generator"]["rank"] == 0
+    assert timing.slowest_by_role(tmp_path, 2)["trainer"]["busy_s"] == 3.0
+    run = timing.slowest_ranks(tmp_path)
+    assert run["generator"]["rank"] == "generator:1" and run["generator"]["busy_s_mean"] == 1.25
+    assert run["generator"]["busy_s_mean_median"] == 1.1 and run["generator"]["node"] == "node1"
+    assert run["trainer"] == {"rank": "trainer:0", "node": "node0", "steps": 2, "busy_s_mean": 2.5,
+                              "step_s_mean": 2.6, "ranks": 1, "busy_s_mean_median": 2.5}
+
+
+def test_tail_lines_reads_the_end_and_skips_a_line_being_written(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(f'{{"i": {i}}}\n' for i in range(5000)) + '{"i": 50')
+    assert timing.tail_lines(path, 2) == ['{"i": 4998}', '{"i": 4999}']
+    assert len(timing.tail_lines(path, None)) == 5000
+    assert timing.tail_lines(tmp_path / "missing", 3) == []
+
+
+def test_the_summary_names_the_slowest_rank_of_each_role(tmp_path):
+    from hpc_rl.rl.records import MetricsLog, render_summary, summarize
+
+    MetricsLog(tmp_path).append({"kind": "step", "step": 1, "timing": {"step_s": 2.0}, "token_mult_prob_error": 1.0})
+    _write_steps(tmp_path, [_step_line("env", 0, 1, 0.2, 1.8), _step_line("env", 1, 1, 0.5, 1.5)])
+    s = summarize(tmp_path)
+    assert s["steps"] == 1 and s["seconds_per_step_mean"] == 2.0  # the keys it had stay
+    assert s["slowest_ranks"]["env"]["rank"] == "env:1"
+    assert json.loads(RunDir(tmp_path).summary.read_text())["slowest_ranks"]["env"]["rank"] == "env:1"
+    text = render_summary(s)
+    assert "slowest rank per role" in text and "env:1" in text
+
+
+# ------------------------------------------------------------------------------ the view
+def _fake_run(run_dir: Path, now: float) -> None:
+    """What a two-step tiny_mopd run leaves while in step 3."""
+    rd = RunDir(run_dir)
+    rd.logs.mkdir(parents=True)
+    rd.config.write_text("recipe: tiny_mopd\n")
+    rd.plan.write_text(json.dumps({"roles": [{"name": "trainer"}, {"name": "generator"}]}))  # the role order
+    rd.progress.write_text(json.dumps({"step": 3, "total_steps": 4, "phase": "train", "time": now - 0.5,
+                                       "elapsed_s": 10.0, "s_per_step": 2.0, "eta_s": 4.0}))
+    with rd.metrics.open("w") as f:
+        f.write(json.dumps({"kind": "eval", "tag": "start", "step": 0, "accuracy": {"add_agent": 0.5},
+                            "reverse_kl": {"add": 0.9, "mean": 0.95}}) + "\n")
+        for step, kl in ((1, 0.9), (2, 0.8)):
+            f.write(json.dumps({"kind": "step", "step": step, "reverse_kl": {"mean": kl}, "reward_mean": 0.5,
+                                "token_mult_prob_error": 1.00001, "loss": 0.01, "timing": {"step_s": 2.0}}) + "\n")
+    lines = []
+    for step in (1, 2):
+        lines += [_step_line("trainer", 0, step, 1.5, 0.5, phases={"wait_rows": 0.5, "train": 1.5}),
+                  _step_line("generator", 0, step, 0.5, 1.5, phases={"wait": 1.5, "sample": 0.5}),
+                  _step_line("generator", 1, step, 0.9, 1.1, phases={"wait": 1.1, "sample": 0.9})]
+    lines.append(_step_line("trainer", 0, 3, 0.1, 0.0))  # not every rank has left step 3: not shown
+    _write_steps(run_dir, lines)
+    for role, rank, phase, since in (("trainer", 0, "train", now - 1.0), ("generator", 0, "refit", now - 1.0),
+                                     ("generator", 1, "refit", now - 3.5)):
+        rd.phase_now(role, rank, 0).write_text(json.dumps({"role": role, "rank": rank, "restart": 0, "node": "n",
+                                                           "step": 3, "phase": phase, "since": since}))
+
+
+def test_the_view_shows_progress_phases_metrics_and_the_slowest_ranks(tmp_path):
+    now = time.time()
+    _fake_run(tmp_path, now)
+    view = live.render(tmp_path, "RUNNING", steps=2, now=now)
+    assert "step 3/4 train" in view and "(updated 0.5s ago)" in view
+    assert "generator           2  refit@3 x2" in view and "generator:1 refit for 3.5s" in view
+    assert "trainer:0 train for 1.0s" in view
+    assert "     2    2.00   0.8000   0.500   1.00001   0.0100" in view
+    assert "eval start (step 0): accuracy add_agent 0.500; reverse KL mean 0.9500" in view
+    assert "slowest rank per role" in view and "step 3 " not in view
+    assert "step 2   trainer       trainer:0           1.50 (1.50) of 2.00  wait_rows* 0.50 train 1.50" in view
+    assert "         generator     generator:1         0.90 (0.70) of 2.00  wait* 1.10 sample 0.90" in view
+
+
+def test_a_run_without_a_slurm_job_takes_its_state_from_its_files(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.logs.mkdir(parents=True)
+    assert live.file_state(tmp_path)[0] == live.STARTING
+    rd.timing.mkdir()
+    assert live.file_state(tmp_path) == (live.RUNNING, "")
+    rd.stopped(0).write_text("{}")
+    assert live.file_state(tmp_path)[0] == live.STOPPED
+    rd.errors.mkdir()
+    rd.error_report("env", 0, 0).write_text("env:0: RuntimeError: connection closed\ntraceback\n")
+    rd.dead_rank(0).write_text("generator:0 missed heartbeats for 4.0s\n")
+    assert live.file_state(tmp_path) == (live.FAILED, "generator:0 missed heartbeats for 4.0s")
+    rd.finished.write_text("1\n")
+    assert live.file_state(tmp_path) == (live.COMPLETED, "")
+
+
+def test_watch_once_prints_a_snapshot_of_a_local_run(tmp_path):
+    _fake_run(tmp_path, time.time())
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.slurm.watch", str(tmp_path), "--once", "--steps", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "RUNNING (no Slurm job: state from the run directory)" in proc.stdout
+    assert "step 2   trainer" in proc.stdout and "step 1 " not in proc.stdout
+    cancel = subprocess.run([sys.executable, "-m", "hpc_rl.slurm.watch", str(tmp_path), "--cancel"],
+                            capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 2 and "no Slurm job" in cancel.stderr
+
+
+def test_follow_ends_with_the_run(tmp_path):
+    from hpc_rl.slurm.watch import watch
+
+    _fake_run(tmp_path, time.time())
+    RunDir(tmp_path).finished.write_text("1\n")
+    out = []
+    assert watch(tmp_path, poll_s=0.01, echo=out.append) == live.COMPLETED
+    assert len(out) == 1 and out[0].startswith(f"{tmp_path}: COMPLETED")
+
+
+# ------------------------------------------------------------------ the progress watchdog
+class FakeStore:
+    def __init__(self, statuses):
+        self.data = {f"hb/0/{r}/status": s.encode() for r, s in statuses.items()}
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def _verdict(statuses, waited=10.0):
+    from hpc_rl.runtime.heartbeat import Heartbeat
+
+    names = ["trainer:0", "generator:0", "env:0"]
+    hb = Heartbeat("127.0.0.1", 0, 0, len(statuses), 0, lambda r: names[r], Path("."), 1.0, 30.0,
+                   progress_timeout_s=5.0)
+    hb.status = statuses[0]
+    store, memo = FakeStore(statuses), {}
+    assert hb._progress_check(store, 0.0, memo) is None
+    return hb._progress_check(store, waited, memo)
+
+
+def test_the_watchdog_names_the_rank_at_work_not_those_waiting_for_it():
+    v = _verdict({0: "step 2 wait_rows", 1: "step 2 sample", 2: "step 1 wait"})
+    assert v.startswith("generator:0 made no progress for 10.0s") and "stuck in 'step 2 sample'" in v
+    assert "while the others wait in ['step 1 wait', 'step 2 wait_rows']" in v
+    # everyone waits (a message lost): the earliest is named
+    assert _verdict({0: "step 2 wait_rows", 1: "step 1 wait", 2: "wait"}).startswith("env:0 made no progress")
+    # an evaluation or start-up is not watched
+    assert _verdict({0: "eval", 1: "step 2 sample", 2: "wait"}) is None
+    assert _verdict({0: "setup", 1: "wait", 2: "wait"}) is None
+
+
+# ---------------------------------------------------------- a job in progress on local Slurm
+SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
+         "data.eval_prompts_per_task=8"]
+STALL_S = 40  # trainer:0 holds step 3 this long: the window in which the watch runs against the live job
+
+
+def _watch(run: Path, *args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.slurm.watch", str(run), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_watch_shows_live_metrics_phases_and_stragglers_of_a_running_slurm_job(local_slurm, tmp_path):
+    import re
+
+    run = tmp_path / "run"
+    roles = ["trainer", "generator", "teacher/add", "teacher/mul", "env"]
+    # a real stall of the real job: trainer:0 sleeps at the start of step 3, everyone else waits for it
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", "cluster=local_slurm",
+                           "launcher=slurm", "run.max_steps=4", f"run.dir={run}", *SMALL,
+                           f"ft.inject_failure=trainer:0:stall{STALL_S}@3"],
+                          capture_output=True, text=True, timeout=300, env=local_slurm.env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        deadline = time.monotonic() + 400
+        steps = []
+        while time.monotonic() < deadline:
+            rows = [json.loads(x) for x in RunDir(run).metrics.read_text().splitlines()] \
+                if RunDir(run).metrics.exists() else []
+            steps = [r["step"] for r in rows if r["kind"] == "step"]
+            if 2 in steps or RunDir(run).finished.exists():
+                break
+            time.sleep(0.5)
+        assert steps == [1, 2], f"the job did not reach step 2 in time (steps {steps})"
+        snap = _watch(run, "--once", env=local_slurm.env())
+        assert snap.returncode == 0, snap.stderr
+        view = snap.stdout
+        assert re.search(r"job \d+ RUNNING \((sacct|squeue)\): trainer=RUNNING", view), view
+        # key metrics of the steps done so far: step time, reverse KL, reward, mismatch
+        assert re.search(r"^\s+2\s+\d+\.\d\d\s+\d\.\d{4}\s+\d\.\d{3}\s+\d\.\d{5}", view, re.M), view
+        # a phase per role, and the stalled trainer rank seen in its step
+        for role in roles:
+            assert re.search(rf"^{re.escape(role)}\s+1\s+\w+@[23] x1", view, re.M), (role, view)
+        assert re.search(r"trainer:0 start for \d+\.\ds", view), view
+        # the slowest rank of each role, for each finished step
+        assert "slowest rank per role" in view
+        for role in roles:
+            assert re.search(rf"^(step [12] +| +){re.escape(role)}\s+{re.escape(role)}:0\s+\d+\.\d\d \(", view, re.M), \
+                (role, view)
+
+        follow = _watch(run, "--poll", "1", env=local_slurm.env(), timeout=600)  # to the end
+        assert follow.returncode == 0, follow.stdout[-3000:] + follow.stderr[-3000:]
+        final = follow.stdout
+        assert re.search(r"job \d+ COMPLETED", final) and "1/1 ranks succeeded" in final
+        assert "slowest rank per role" in final[final.rindex("summary:"):]  # the run's summary follows
+        last_view = final[final.rindex(f"{run}: "):]
+        assert re.search(r"^\s+4\s+\d+\.\d\d", last_view, re.M), last_view
+        for role in roles:
+            assert re.search(rf"^{re.escape(role)}\s+1\s+done x1", last_view, re.M), (role, last_view)
+    finally:
+        if not RunDir(run).finished.exists():
+            _watch(run, "--cancel", env=local_slurm.env())
+    summary = json.loads(RunDir(run).summary.read_text())
+    assert set(summary["slowest_ranks"]) == set(roles)
+    # the stall is trainer:0's own time: its step 3 is the busiest of all
+    t3 = [json.loads(x) for x in RunDir(run).step_timing("trainer", 0, 0).read_text().splitlines()][2]
+    assert t3["step"] == 3 and t3["phases"]["start"] >= STALL_S
