@@ -67,6 +67,9 @@ def _sharded_worker(rank: int, world: int, ckpt: str, store_path: str, out: str)
         state = backend.full_state_dict()
         if rank == 0:
             torch.save({"before": before, "after": after, "state": state, "metrics": metrics}, out)
+        # leave together: a rank tearing gloo down while its peer still talks aborted the peer
+        # once (SIGABRT, "terminate called without an active exception") on a loaded machine
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -96,7 +96,9 @@ class RLLoop:
             maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, step)
             t0 = time.perf_counter()
             self.phase(progress, step, "wait_rows")
-            records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] if self.driver else None
+            # no prompts are drawn for a step that stops: the saved iterator must not skip them
+            records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] \
+                if self.driver and not why else None
             batch = self.collector.collect(records, self.sampling, TRAIN_STREAM, step, score_env=True,
                                            score_teachers=self.distill, train=True, stop=why)
             if isinstance(batch, str):  # the driver's reason, shared with the rows' header
