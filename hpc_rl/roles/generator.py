@@ -89,8 +89,9 @@ class GeneratorRole:
         if env is not None:
             exchange.send(Work(order.kind, order.kind == COLLECT and order.score_env, order.step, order.train, items), env)
         wanted_t = order.kind == TEACHER_EVAL or (order.kind == COLLECT and order.score_teachers)
-        for group in self.routes.teachers:
-            mine = [it for it in items if self.router.group_of(self.router.route(it[1].agent)) == group]
+        by_group = self.router.split_by_group([rec.agent for _, rec, _ in items]) if self.routes.teachers else {}
+        for group in self.routes.teachers:  # every head hears from every generator, even with nothing routed
+            mine = [items[k] for k in by_group.get(group, [])]
             exchange.send(Work(order.kind, wanted_t, order.step, order.train, mine), self.routes.teacher_head(group))
         if order.kind == COLLECT:
             exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s), self.routes.driver)
