@@ -4,6 +4,7 @@
 #   launchers/local_slurm.sh up      # install (if needed) and start; idempotent
 #   launchers/local_slurm.sh status  # sinfo + topology; exit 0 only when all nodes usable
 #   launchers/local_slurm.sh down    # stop the daemons this script started; idempotent
+#   ACCOUNTING=0 launchers/local_slurm.sh up   # the same cluster without slurmdbd
 #
 # Layout: one slurmctld plus six `slurmd -N nodeK` processes on this host, each node with
 # 8 CPUs (more than the host has, allowed by SlurmdParameters=config_overrides) and four
@@ -22,7 +23,17 @@
 # slurm.conf through SLURM_CONF; /etc/slurm/slurm.conf is a symlink to it so that plain
 # sbatch/squeue/sinfo (no SLURM_CONF exported) reach the same cluster.
 #
+# Accounting (the default, as on every production cluster): a MariaDB server and slurmdbd,
+# both from Debian's packages and both started by this script (init does not run services
+# in containers), with the cluster registered, so `sacct` answers. The database lives in
+# the state directory and survives `down`/`up` (its first start creates it: the slow part
+# of a fresh `up`); slurmctld still starts with a clean state, so job ids restart at 1
+# and sacct keeps older jobs with the same ids: job handles tell them apart by submit time.
+# Ports: slurmdbd's default 6819 is a node's here, so slurmdbd and MariaDB sit above the
+# nodes' range (PORT_BASE+10, PORT_BASE+11).
+#
 # Environment knobs:
+#   ACCOUNTING              1 (default): MariaDB + slurmdbd; 0: no accounting (sacct fails)
 #   HPC_RL_SLURM_STATE      state directory (default /tmp/hpc_rl_slurm)
 #   HPC_RL_SLURM_PORT_BASE  slurmctld port; nodes use the next six (default 6817)
 #   HPC_RL_SLURM_TIMEOUT    seconds `up` waits for all nodes to be idle (default 60)
@@ -34,10 +45,23 @@ UP_TIMEOUT="${HPC_RL_SLURM_TIMEOUT:-60}"
 NODES=(node1 node2 node3 node4 node5 node6)
 PARTITION=local
 ETC_CONF=/etc/slurm/slurm.conf
+ACCOUNTING="${ACCOUNTING:-1}"
+DBD_PORT=$((PORT_BASE + 10))
+DB_PORT=$((PORT_BASE + 11))
+DB_NAME=slurm_acct_db
+CLUSTER=hpc_rl_local
+case "$ACCOUNTING" in
+    0 | 1) ;;
+    *) echo "[local_slurm] ACCOUNTING=$ACCOUNTING: set ACCOUNTING=1 (slurmdbd, the default) or ACCOUNTING=0 (none)" >&2; exit 2 ;;
+esac
 
 CONF="$STATE/slurm.conf"
 RUN="$STATE/run"   # pid files of the daemons *this script* started
 LOG="$STATE/log"
+DB_DIR="$STATE/mysql"            # MariaDB's data directory
+DB_SOCK="$DB_DIR/mysqld.sock"    # root's way in (unix socket authentication); slurmdbd uses TCP
+DB_PASS_FILE="$STATE/dbd.pass"   # slurmdbd's database password, made once with the database
+DBD_CONF="$STATE/slurmdbd.conf"  # slurmdbd reads the slurmdbd.conf beside SLURM_CONF
 export SLURM_CONF="$CONF"
 
 log() { echo "[local_slurm] $*" >&2; }
@@ -101,8 +125,22 @@ stop_pidfiles() {
 start_daemon() {
     local name="$1" pidfile="$2"
     shift 2
-    setsid "$@" </dev/null >>"$LOG/$name.stdout" 2>&1 &
+    (
+        close_inherited_fds
+        exec setsid "$@" </dev/null >>"$LOG/$name.stdout" 2>&1
+    ) &
     echo $! >"$pidfile"
+}
+
+# A daemon outlives this script: it must not keep the caller's descriptors open. A lock
+# held by the caller (`flock LOCK launchers/local_slurm.sh up`, or pytest under flock
+# calling `up`) would otherwise be held by munged or slurmctld until they stop.
+close_inherited_fds() {
+    local fd
+    for fd in /proc/$BASHPID/fd/*; do
+        fd="${fd##*/}"
+        if [[ "$fd" =~ ^[0-9]+$ ]] && ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
+    done
 }
 
 munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
@@ -110,6 +148,11 @@ munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 slurm_installed() {
     command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged &&
         command -v runuser
+} >/dev/null 2>&1
+
+accounting_installed() {
+    command -v slurmdbd && command -v sacctmgr && command -v mariadbd && command -v mariadb &&
+        command -v mariadb-install-db
 } >/dev/null 2>&1
 
 # Node lines "name state" from the controller; empty when it does not answer.
@@ -137,7 +180,7 @@ dump_logs() {
     local f
     # The *.log files are the daemons' own logs; *.stdout only matters when a daemon died
     # before it could open its log (bad config), so show just its last lines.
-    for f in "$LOG"/slurmctld.log "$LOG"/slurmd.*.log; do
+    for f in "$LOG"/slurmctld.log "$LOG"/slurmd.*.log "$LOG"/slurmdbd.log; do
         [[ -s "$f" ]] || continue
         echo "===== tail $f" >&2
         tail -n 25 "$f" >&2
@@ -152,13 +195,20 @@ dump_logs() {
 # ----------------------------------------------------------------------------- install
 
 install_slurm() {
-    slurm_installed && return 0
-    log "slurm/munge binaries missing; installing with apt-get"
+    local pkgs=()
+    slurm_installed || pkgs+=(slurmctld slurmd slurm-client munge)
+    if ((ACCOUNTING)) && ! accounting_installed; then pkgs+=(slurmdbd mariadb-server mariadb-client); fi
+    ((${#pkgs[@]})) || return 0
+    log "installing with apt-get: ${pkgs[*]}"
     # Fresh CI images need the index first. The packages' own service units may start
-    # munge (fine: we reuse a working munged) and fail to start slurm (no conf yet; fine).
+    # munge (fine: we reuse a working munged) and fail to start slurm/mariadb (no conf, or
+    # no init in a container; fine: this script starts its own).
     DEBIAN_FRONTEND=noninteractive apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge
-    slurm_installed || { log "install finished but binaries still missing"; exit 1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${pkgs[@]}"
+    slurm_installed || { log "install finished but slurm binaries still missing"; exit 1; }
+    if ((ACCOUNTING)) && ! accounting_installed; then
+        log "install finished but slurmdbd/mariadb binaries still missing"; exit 1
+    fi
 }
 
 # ----------------------------------------------------------------------------- config
@@ -183,7 +233,7 @@ slurm_conf_text() {
     local n k=0 port
     cat <<EOF
 # Generated by launchers/local_slurm.sh -- edits are overwritten on the next 'up'.
-ClusterName=hpc_rl_local
+ClusterName=$CLUSTER
 SlurmctldHost=localhost
 SlurmctldPort=$PORT_BASE
 SlurmUser=root
@@ -209,7 +259,7 @@ SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$(accounting_lines)
 JobCompType=jobcomp/none
 
 SelectType=select/cons_tres
@@ -234,7 +284,8 @@ MessageTimeout=10
 InactiveLimit=0
 KillWait=5
 Waittime=0
-# Finished jobs stay visible to 'scontrol show job' for 5 min (there is no accounting DB).
+# Finished jobs stay visible to 'scontrol show job' and squeue for 5 min (what job handles
+# read without accounting).
 MinJobAge=300
 
 GresTypes=gpu
@@ -247,6 +298,35 @@ EOF
         echo "NodeName=$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$port CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=4096 Gres=gpu:4 State=UNKNOWN"
     done
     echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
+}
+
+accounting_lines() {
+    if ((ACCOUNTING)); then
+        echo "AccountingStorageType=accounting_storage/slurmdbd"
+        echo "AccountingStorageHost=localhost"
+        echo "AccountingStoragePort=$DBD_PORT"
+    else
+        echo "AccountingStorageType=accounting_storage/none"
+    fi
+}
+
+slurmdbd_conf_text() {
+    cat <<EOF
+# Generated by launchers/local_slurm.sh -- edits are overwritten on the next 'up'.
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=$DBD_PORT
+SlurmUser=root
+LogFile=$LOG/slurmdbd.log
+PidFile=$RUN/slurmdbd.daemon.pid
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$(cat "$DB_PASS_FILE")
+StorageLoc=$DB_NAME
+EOF
 }
 
 # Fake GPUs: gres needs File= pointing at existing files, else the node is INVAL.
@@ -274,6 +354,15 @@ write_config() {
         touch "$STATE/gpus/$n"/gpu{0,1,2,3}
     done
     render_file "$STATE/gres.conf" < <(gres_conf_text)
+
+    if ((ACCOUNTING)); then
+        if [[ ! -s "$DB_PASS_FILE" ]]; then
+            (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$DB_PASS_FILE")
+        fi
+        render_file "$DBD_CONF" < <(slurmdbd_conf_text)
+        # slurmdbd refuses a config that others can read (it holds the database password).
+        chmod 600 "$DBD_CONF"
+    fi
 
     render_file "$STATE/topology.conf" <<EOF
 # Generated by launchers/local_slurm.sh. Three racks of two nodes under one spine switch.
@@ -322,7 +411,10 @@ start_munge() {
     chmod 600 /etc/munge/munge.key
     chmod 755 /run/munge
     rm -f /run/munge/munged.pid
-    runuser -u munge -- munged
+    (
+        close_inherited_fds
+        exec runuser -u munge -- munged
+    )
     # munged daemonizes and writes its own pid file; remember that *we* started it.
     local i
     for ((i = 0; i < 50; i++)); do
@@ -331,6 +423,73 @@ start_munge() {
     done
     munge_works || { log "munged did not come up"; exit 1; }
     cp /run/munge/munged.pid "$RUN/munged.pid"
+}
+
+db_sql() { mariadb --no-defaults --protocol=socket --socket="$DB_SOCK" -u root "$@"; }
+
+# MariaDB on 127.0.0.1:DB_PORT with its data in the state directory; --no-defaults keeps a
+# system my.cnf (socket, port, datadir) out of it. The first start creates the database.
+start_mariadb() {
+    pid_alive "$RUN/mariadbd.pid" mariadbd && db_sql -e 'SELECT 1' >/dev/null 2>&1 && return 0
+    stop_pidfiles mariadbd "$RUN/mariadbd.pid"
+    if [[ ! -d "$DB_DIR/mysql" ]]; then
+        log "creating the accounting database in $DB_DIR"
+        rm -rf "$DB_DIR"
+        mkdir -p "$DB_DIR"
+        chown mysql:mysql "$DB_DIR"
+        mariadb-install-db --no-defaults --user=mysql --datadir="$DB_DIR" --auth-root-authentication-method=socket \
+            --skip-test-db >>"$LOG/mariadb-install.stdout" 2>&1 || { tail -n 20 "$LOG/mariadb-install.stdout" >&2; exit 1; }
+    fi
+    # A small buffer pool: the accounting tables of a test cluster are tiny. mariadbd runs as
+    # mysql, so its socket and pid file go in its own directory; its log is its stdout.
+    start_daemon mariadbd "$RUN/mariadbd.pid" mariadbd --no-defaults --user=mysql --datadir="$DB_DIR" \
+        --socket="$DB_SOCK" --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
+        --pid-file="$DB_DIR/mariadbd.pid" --innodb-buffer-pool-size=32M
+    local i
+    for ((i = 0; i < 300; i++)); do
+        db_sql -e 'SELECT 1' >/dev/null 2>&1 && break
+        pid_alive "$RUN/mariadbd.pid" mariadbd || break
+        sleep 0.1
+    done
+    db_sql -e 'SELECT 1' >/dev/null 2>&1 || { log "mariadbd did not come up"; tail -n 20 "$LOG/mariadbd.stdout" >&2; exit 1; }
+    # Idempotent: the same user and password on every start (the password file may be new).
+    db_sql <<EOF
+CREATE DATABASE IF NOT EXISTS $DB_NAME;
+CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$(cat "$DB_PASS_FILE")';
+ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$(cat "$DB_PASS_FILE")';
+GRANT ALL ON $DB_NAME.* TO 'slurm'@'127.0.0.1';
+EOF
+}
+
+dbd_answers() { timeout 10 sacctmgr -n -P list cluster format=cluster >/dev/null 2>&1; }
+
+# slurmdbd (it creates its tables on the first start), then the cluster's registration,
+# before slurmctld starts: a controller that finds its cluster registered needs no restart.
+start_accounting() {
+    start_mariadb
+    stop_pidfiles slurmdbd "$RUN/slurmdbd.pid"
+    start_daemon slurmdbd "$RUN/slurmdbd.pid" slurmdbd -D
+    local deadline=$((SECONDS + UP_TIMEOUT))
+    until dbd_answers; do
+        if ! pid_alive "$RUN/slurmdbd.pid" slurmdbd || ((SECONDS >= deadline)); then
+            log "slurmdbd did not come up"
+            tail -n 25 "$LOG/slurmdbd.log" "$LOG/slurmdbd.stdout" >&2 2>/dev/null || true
+            exit 1
+        fi
+        sleep 0.2
+    done
+    if ! timeout 10 sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
+        timeout 30 sacctmgr -i add cluster "$CLUSTER" >/dev/null
+    fi
+}
+
+accounting_alive() { pid_alive "$RUN/mariadbd.pid" mariadbd && pid_alive "$RUN/slurmdbd.pid" slurmdbd; }
+
+# slurmdbd first: it may still write what slurmctld sent it.
+stop_accounting() {
+    stop_pidfiles slurmdbd "$RUN/slurmdbd.pid"
+    # InnoDB's shutdown can take longer than a slurmd's; stop_pidfiles waits 10 s.
+    stop_pidfiles mariadbd "$RUN/mariadbd.pid"
 }
 
 # Called only after stop_slurm, so nothing of ours is running.
@@ -386,23 +545,30 @@ cmd_up() {
     write_config
     link_etc_conf
 
+    # ACCOUNTING=0: a database left by an earlier 'up' is not part of this cluster.
+    ((ACCOUNTING)) || stop_accounting
+
     # Fast path: same config, everything running and usable -> nothing to do.
-    if [[ "$CONF_CHANGED" == 0 ]] && munge_works && daemons_alive && nodes_usable; then
+    if [[ "$CONF_CHANGED" == 0 ]] && munge_works && daemons_alive && nodes_usable &&
+        { ((ACCOUNTING == 0)) || { accounting_alive && dbd_answers; }; }; then
         log "already up ($STATE)"
         return 0
     fi
 
     # Anything partial or stale (changed config, a dead daemon, nodes not usable):
-    # restart Slurm as a whole; cheaper to reason about than repairing piecemeal.
+    # restart Slurm as a whole; cheaper to reason about than repairing piecemeal. MariaDB
+    # is kept when it answers (start_mariadb): its first start is the slow one.
     stop_slurm
     start_munge
+    if ((ACCOUNTING)); then start_accounting; fi
     start_slurm
     wait_for_nodes || exit 1
-    log "up: ${#NODES[@]} nodes idle in partition '$PARTITION' ($STATE)"
+    log "up: ${#NODES[@]} nodes idle in partition '$PARTITION' ($STATE), accounting $( ((ACCOUNTING)) && echo "on (slurmdbd port $DBD_PORT)" || echo off)"
 }
 
 cmd_down() {
     stop_slurm
+    stop_accounting
     # Only stop munged if this script started it (a system munged is not ours).
     if [[ -s "$RUN/munged.pid" ]]; then
         stop_pidfiles munged "$RUN/munged.pid"
@@ -418,6 +584,11 @@ cmd_status() {
         return 1
     fi
     timeout 10 scontrol show topology || rc=1
+    if grep -q '^AccountingStorageType=accounting_storage/slurmdbd' "$CONF" 2>/dev/null; then
+        if dbd_answers; then echo "accounting: slurmdbd on port $DBD_PORT"; else echo "accounting: slurmdbd not answering"; rc=1; fi
+    else
+        echo "accounting: off"
+    fi
     if nodes_usable; then
         echo "status: up, all ${#NODES[@]} nodes usable"
     else

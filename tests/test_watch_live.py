@@ -289,7 +289,7 @@ def test_watch_shows_live_metrics_phases_and_stragglers_of_a_running_slurm_job(l
         snap = _watch(run, "--once", env=local_slurm.env())
         assert snap.returncode == 0, snap.stderr
         view = snap.stdout
-        assert re.search(r"job \d+ RUNNING \((sacct|squeue)\): trainer=RUNNING", view), view
+        assert re.search(r"job \d+ RUNNING \((sacct|squeue|sacct\+squeue)\): trainer=RUNNING", view), view
         # key metrics of the steps done so far: step time, reverse KL, reward, mismatch
         assert re.search(r"^\s+2\s+\d+\.\d\d\s+\d\.\d{4}\s+\d\.\d{3}\s+\d\.\d{5}", view, re.M), view
         # a phase per role, and the stalled trainer rank seen in its step

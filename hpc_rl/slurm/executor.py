@@ -5,8 +5,9 @@ component ids (`<id>+<k>`). We keep its PicklingExecutor (the DelayedSubmission 
 the submission-file bookkeeping), its Job (result pickles per task, `results()`,
 `exception()`, `cancel()`), and replace what het jobs change: the script (one component
 per role, hpc_rl.slurm.sbatch), the task count (every rank of every role), and the watcher
-(component states from sacct, or from squeue when accounting is off, or from the batch
-shell's exit record once Slurm has forgotten the job).
+(component and step states per job id from sacct, squeue for what sacct does not list,
+the batch shell's exit record once Slurm has forgotten the job; hpc_rl/slurm/states.py
+reads them).
 """
 
 from __future__ import annotations
@@ -26,78 +27,82 @@ from hpc_rl.rundir import RunDir
 from hpc_rl.runtime.identity import role_offsets
 from hpc_rl.runtime.results import submitit_folder
 
-from .sbatch import RenderOptions, render
+from .sbatch import RenderOptions, job_name, render
+from .states import (SACCT_FIELDS, SQUEUE_FORMAT, TERMINAL_BAD, JobIdentity, JobRecord, Row, aggregate_state, culprit, fitting,
+                     parse_sacct, parse_squeue, role_state)
 
-TERMINAL_BAD = ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
-
-
-def aggregate_state(states: tp.Iterable[str]) -> str:
-    """One state for a het job from its components' states."""
-    states = [s.split()[0].upper() for s in states if s]
-    if not states:
-        return "UNKNOWN"
-    for bad in TERMINAL_BAD:
-        if bad in states:
-            return bad
-    if all(s == "COMPLETED" for s in states):
-        return "COMPLETED"
-    for s in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING", "CONFIGURING"):
-        if s in states:
-            return s
-    return states[0]
-
-
-def leader_of(job_id: str) -> str:
-    return job_id.split("+")[0].split("_")[0]
-
+__all__ = ["TERMINAL_BAD", "HetInfoWatcher", "HetJob", "HetSlurmExecutor", "job_from_run_dir", "aggregate_state"]
 
 class HetInfoWatcher(submitit_core.InfoWatcher):
-    """Per-component states of het jobs: sacct, else squeue, else the job's exit record."""
+    """Per-component states of het jobs, per job id from the first source that knows it:
+    sacct (steps included), squeue for what sacct does not list yet (a pending component is
+    missing from sacct for seconds after submission), then the batch shell's exit record.
+    Every update asks every source again: a sacct failure now says nothing about the next."""
 
     def __init__(self, delay_s: int = 5) -> None:
         super().__init__(delay_s)
-        self.sacct_ok: tp.Optional[bool] = None  # unknown until first tried
         self.run_dirs: tp.Dict[str, Path] = {}
-        self.source = "none"
+        self.identities: tp.Dict[str, JobIdentity] = {}
+        self.sizes: tp.Dict[str, int] = {}  # job id -> number of components
+        self.source = "none"  # the last update's sources (all jobs); per job: get_info(id)["source"]
 
-    def register_run_dir(self, job_id: str, run_dir: Path) -> None:
+    def register_job_of(self, job_id: str, run_dir: Path, identity: tp.Optional[JobIdentity], components: int) -> None:
+        self.register_job(job_id)
         self.run_dirs[job_id] = Path(run_dir)
+        if identity is not None:
+            self.identities[job_id] = identity
+        self.sizes[job_id] = components
 
     def get_state(self, job_id: str, mode: str = "standard") -> str:
         return str(self.get_info(job_id, mode=mode).get("State") or "UNKNOWN")
 
-    def _query(self, ids: tp.List[str]) -> tp.Dict[str, tp.Dict[str, str]]:
-        """component id -> state, for the leaders in `ids`."""
-        out: tp.Dict[str, tp.Dict[str, str]] = {}
-        if self.sacct_ok is not False:
-            cmd = ["sacct", "-X", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", ",".join(ids)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode == 0:
-                self.sacct_ok, self.source = True, "sacct"
-                for line in proc.stdout.splitlines():
-                    parts = line.split("|")
-                    if len(parts) >= 2 and parts[0]:
-                        out.setdefault(leader_of(parts[0]), {})[parts[0]] = parts[1]
-                return out
-            self.sacct_ok = False  # accounting disabled ("accounting storage is disabled")
-        proc = subprocess.run(["squeue", "-t", "all", "-h", "-o", "%i|%T", "-j", ",".join(ids)], capture_output=True, text=True)
-        self.source = "squeue"
-        for line in proc.stdout.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) == 2 and parts[0]:
-                out.setdefault(leader_of(parts[0]), {})[parts[0]] = parts[1]
-        return out
+    @staticmethod
+    def _sacct(ids: tp.List[str]) -> tp.Optional[tp.Dict[str, JobRecord]]:
+        """None when accounting does not answer (disabled, slurmdbd down)."""
+        cmd = ["sacct", "-n", "-P", "-o", SACCT_FIELDS, "-j", ",".join(ids)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return parse_sacct(proc.stdout) if proc.returncode == 0 else None
 
-    def _exit_record(self, job_id: str) -> tp.Optional[dict]:
+    @staticmethod
+    def _squeue(ids: tp.List[str]) -> tp.Dict[str, JobRecord]:
+        # squeue exits 1 when one of the ids is unknown but still lists the others
+        proc = subprocess.run(["squeue", "-t", "all", "-h", "-o", SQUEUE_FORMAT, "-j", ",".join(ids)],
+                              capture_output=True, text=True, timeout=60)
+        return parse_squeue(proc.stdout)
+
+    def exit_record(self, job_id: str) -> tp.Optional[dict]:
+        """job_exit.json when the batch shell of this job (not an older one of the same id) wrote it."""
         run_dir = self.run_dirs.get(job_id)
         path = RunDir(run_dir).job_exit if run_dir else None
         if path is None or not path.exists():
             return None
         try:
             rec = json.loads(path.read_text())
+            mtime = path.stat().st_mtime
         except (OSError, ValueError):
             return None
+        ident = self.identities.get(job_id)
+        if ident is not None and ident.submitted_after and mtime < ident.submitted_after:
+            return None  # left by an earlier submission into this run directory
         return rec if str(rec.get("job_id")) == job_id else None
+
+    def _merge(self, jid: str, sacct: tp.Optional[JobRecord], squeue: tp.Optional[JobRecord]) -> dict:
+        """Per component: sacct's state where it lists the component, squeue's where not."""
+        comps: tp.Dict[str, str] = {}
+        sources = []
+        if sacct is not None:
+            comps.update(sacct.states())
+            sources.append("sacct")
+        if squeue is not None:
+            missing = {cid: st for cid, st in squeue.states().items() if cid not in comps}
+            if missing:
+                comps.update(missing)
+                sources.append("squeue")
+        steps = sacct.steps if sacct is not None else {}
+        return {"State": aggregate_state(comps.values()), "components": comps, "steps": steps, "source": "+".join(sources)}
+
+    def _complete(self, jid: str, rec: tp.Optional[JobRecord]) -> bool:
+        return rec is not None and len(rec.components) >= self.sizes.get(jid, 1)
 
     def update(self) -> None:
         ids = sorted(self._registered - self._finished)
@@ -105,21 +110,46 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
             return
         self._num_calls += 1
         try:
-            found = self._query(ids)
-        except OSError as exc:  # no squeue/sacct binaries at all
-            submitit_core.logger.get_logger().warning(f"cannot query Slurm ({exc}); states may be stale")
-            found = {}
+            by_sacct = self._sacct(ids)
+        except (OSError, subprocess.TimeoutExpired):  # no sacct binary, or slurmdbd hangs
+            by_sacct = None
+        sacct_recs, notes = {}, {}
         for jid in ids:
-            comps = found.get(jid)
-            if comps:
-                self._info_dict[jid] = {"State": aggregate_state(comps.values()), "components": comps}  # type: ignore[dict-item]
-                continue
-            rec = self._exit_record(jid)
-            if rec is not None:  # Slurm forgot the job; the batch shell left its outcome
-                state = "COMPLETED" if int(rec.get("exit_code", 1)) == 0 else "FAILED"
-                self._info_dict[jid] = {"State": state, "components": {}, "exit": rec}  # type: ignore[dict-item]
-            else:  # neither Slurm nor the run directory knows it (yet): say so, keep no stale state
-                self._info_dict[jid] = {"State": "UNKNOWN", "components": {}}  # type: ignore[dict-item]
+            rec, why = fitting((by_sacct or {}).get(jid), self.identities.get(jid))
+            if rec is not None:
+                sacct_recs[jid] = rec
+            elif why:
+                notes[jid] = f"sacct's job {jid} is another job: {why}"
+        ask_squeue = [jid for jid in ids if not self._complete(jid, sacct_recs.get(jid))]
+        squeue_recs: tp.Dict[str, JobRecord] = {}
+        if ask_squeue:
+            try:
+                by_squeue = self._squeue(ask_squeue)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                submitit_core.logger.get_logger().warning(f"cannot query squeue ({exc}); states may be stale")
+                by_squeue = {}
+            for jid in ask_squeue:
+                rec, why = fitting(by_squeue.get(jid), self.identities.get(jid))
+                if rec is not None:
+                    squeue_recs[jid] = rec
+                elif why:
+                    notes[jid] = f"squeue's job {jid} is another job: {why}"
+        sources = set()
+        for jid in ids:
+            if jid in sacct_recs or jid in squeue_recs:
+                info = self._merge(jid, sacct_recs.get(jid), squeue_recs.get(jid))
+            else:
+                rec = self.exit_record(jid)
+                if rec is not None:  # Slurm forgot the job (or never had accounting); the batch shell left its outcome
+                    state = "COMPLETED" if int(rec.get("exit_code", 1)) == 0 else "REQUEUED" if rec.get("requeued") else "FAILED"
+                    info = {"State": state, "components": {}, "steps": {}, "exit": rec, "source": "job_exit.json"}
+                else:  # no source knows it (yet): say so, keep no stale state
+                    info = {"State": "UNKNOWN", "components": {}, "steps": {}, "source": "none"}
+            if jid in notes:
+                info["other_job"] = notes[jid]
+            sources.add(info["source"])
+            self._info_dict[jid] = info  # type: ignore[assignment]
+        self.source = ",".join(sorted(sources))
         self._last_status_check = _time.time()
         for jid in ids:
             if self.is_done(jid, mode="cache"):
@@ -136,32 +166,77 @@ class HetJob(submitit_core.Job[tp.Any]):
         super().__init__(folder, job_id, tasks)
         self.roles: tp.Dict[str, tp.Tuple[int, int]] = {}  # role -> (first task, tasks), set by the executor
         self.run_dir: tp.Optional[Path] = None
+        self.identity: tp.Optional[JobIdentity] = None
 
-    def attach(self, plan: JobPlan, run_dir: Path) -> "HetJob":
+    def attach(self, plan: JobPlan, run_dir: Path, identity: tp.Optional[JobIdentity] = None) -> "HetJob":
         self.roles = role_offsets(plan)
         self.run_dir = Path(run_dir)
-        self.watcher.register_run_dir(self.job_id, self.run_dir)
+        self.identity = identity
+        self.watcher.register_job_of(self.job_id, self.run_dir, identity, len(self.roles))
         return self
 
     @property
     def component_ids(self) -> tp.List[str]:
         return [f"{self.job_id}+{k}" for k in range(len(self.roles))]
 
+    @property
+    def source(self) -> str:
+        """Where the last state came from: sacct, squeue, sacct+squeue, job_exit.json or none."""
+        return str(self.watcher.get_info(self.job_id, mode="cache").get("source") or "none")
+
+    def _component_key(self, comps: tp.Mapping[str, tp.Any], k: int) -> str:
+        cid = f"{self.job_id}+{k}"
+        return self.job_id if cid not in comps and k == 0 and self.job_id in comps else cid
+
     def component_states(self, force: bool = False) -> tp.Dict[str, str]:
-        """role -> Slurm state of its component (empty once Slurm has forgotten the job)."""
+        """role -> its state: the component's allocation state, or its step's once the step has
+        ended badly or the job has ended (sacct: one failing role reads FAILED, the roles the
+        batch shell stopped CANCELLED); the role job_exit.json names as failed reads FAILED.
+        Empty once Slurm has forgotten the job."""
         info = self.watcher.get_info(self.job_id, mode="force" if force else "standard")
-        comps = info.get("components") or {}
+        comps: tp.Dict[str, str] = info.get("components") or {}  # type: ignore[assignment]
+        steps: tp.Dict[str, tp.List[Row]] = info.get("steps") or {}  # type: ignore[assignment]
         out = {}
         for k, role in enumerate(self.roles):
-            state = comps.get(f"{self.job_id}+{k}")  # type: ignore[union-attr]
-            if state is None and k == 0:
-                state = comps.get(self.job_id)  # type: ignore[union-attr]
-            if state:
-                out[role] = state
+            key = self._component_key(comps, k)
+            if key in comps:
+                out[role] = role_state(comps[key], steps.get(key, []))
+        failed = self._exit_failed_role()
+        if failed in out and out[failed] not in TERMINAL_BAD and info.get("State") in TERMINAL_BAD:
+            out[failed] = "FAILED"  # the batch shell's verdict is the source of truth
         return out
 
+    def _exit_failed_role(self) -> tp.Optional[str]:
+        rec = self.exit_record()
+        role = rec.get("failed_role") if rec and int(rec.get("exit_code", 0)) != 0 else None
+        return role if role in self.roles else None
+
+    def failed_role(self) -> tp.Optional[str]:
+        """The role that failed first: job_exit.json's when present, else read from sacct's steps."""
+        role = self._exit_failed_role()
+        if role is not None:
+            return role
+        info = self.watcher.get_info(self.job_id, mode="cache")
+        comps = info.get("components") or {}
+        steps: tp.Dict[str, tp.List[Row]] = info.get("steps") or {}  # type: ignore[assignment]
+        return culprit({role: steps.get(self._component_key(comps, k), []) for k, role in enumerate(self.roles)})
+
     def exit_record(self) -> tp.Optional[dict]:
-        return self.watcher._exit_record(self.job_id)
+        return self.watcher.exit_record(self.job_id)
+
+    def check_identity(self) -> tp.Tuple[tp.Optional[bool], str]:
+        """(True, how) when Slurm's or the run directory's record of this id is this run's job,
+        (False, why) when only another job of that id is known (ids come back after a cluster
+        restart), (None, why) when nothing can tell."""
+        info = self.watcher.get_info(self.job_id, mode="force")
+        src = info.get("source") or "none"
+        if info.get("other_job") and src in ("none", "job_exit.json"):
+            return False, str(info["other_job"])
+        if self.identity is None or not self.identity.checkable:
+            return None, f"{RunDir.JOB_META} records no name and submit time (an older version submitted it): cannot tell"
+        if src == "none":
+            return None, f"neither Slurm nor {RunDir.JOB_EXIT} knows job {self.job_id} now"
+        return True, f"{src}: job {self.job_id} is {self.identity.name!r}, submitted at {self.identity.submit or 'this run'}"
 
     def role_outcomes(self) -> tp.Dict[str, tp.List[tp.Tuple[str, tp.Any]]]:
         """role -> per-rank ("success", result) / ("error", traceback) / ("missing", None)."""
@@ -179,7 +254,7 @@ class HetJob(submitit_core.Job[tp.Any]):
         fail first comes first: its peers' later errors (connection closed) are consequences."""
         rec = self.exit_record()
         outcomes = self.role_outcomes()
-        first = rec.get("failed_role") if rec else None
+        first = self.failed_role()
         order = sorted(outcomes, key=lambda role: role != first)
         for role in order:
             rows = outcomes[role]
@@ -223,9 +298,11 @@ class HetSlurmExecutor(submitit_core.PicklingExecutor):
         return job_id
 
     def submit_run(self, fn: tp.Callable[..., tp.Any], *args: tp.Any) -> HetJob:
+        submitted_after = _time.time()
         job = self.submit(fn, *args)
         assert isinstance(job, HetJob)
-        job.attach(self.plan, self.run_dir)
+        identity = JobIdentity(job.job_id, job_name(self.cfg), submit_time(job.job_id), submitted_after)
+        job.attach(self.plan, self.run_dir, identity)
         # keep the script beside the run for users and requeues
         if self.last_script is not None:
             RunDir(self.run_dir).job_script.write_text(self.last_script)
@@ -233,14 +310,29 @@ class HetSlurmExecutor(submitit_core.PicklingExecutor):
             "job_id": job.job_id,
             "components": {role: f"{job.job_id}+{k}" for k, role in enumerate(job.roles)},
             "submitit_folder": str(self.folder),
+            # what tells this job from another with the same id (ids restart with the controller)
+            "job_name": identity.name,
+            "submit_time": identity.submit,
+            "submitted_after": identity.submitted_after,
         }, indent=2) + "\n")
         return job
 
 
+def submit_time(job_id: str) -> str:
+    """Slurm's submit time of a job just submitted ('' if squeue does not answer)."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%V"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = proc.stdout.split()
+    return lines[0] if proc.returncode == 0 and lines else ""
+
+
 def job_from_run_dir(run_dir: Path) -> HetJob:
-    """Reattach to a submitted run (for watch/cancel commands in another process)."""
+    """Reattach to a submitted run (for watch/cancel commands in another process); its
+    `check_identity()` says whether Slurm's job of that id is still this run's."""
     run_dir = Path(run_dir)
     meta = json.loads(RunDir(run_dir).job_meta.read_text())
     plan = JobPlan.from_dict(json.loads(RunDir(run_dir).plan.read_text()))
     tasks = range(sum(r.tasks for r in plan.roles))
-    return HetJob(meta["submitit_folder"], meta["job_id"], tasks=tasks).attach(plan, run_dir)
+    return HetJob(meta["submitit_folder"], str(meta["job_id"]), tasks=tasks).attach(plan, run_dir, JobIdentity.from_meta(meta))

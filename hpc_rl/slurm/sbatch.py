@@ -94,9 +94,14 @@ def component_options(cfg: RunConfig, role: RolePlan) -> List[str]:
     return opts
 
 
+def job_name(cfg: RunConfig) -> str:
+    """The het job's name (job handles check it on reattach: job ids come back)."""
+    return cfg.launcher.slurm.job_name or "hpc_rl-" + (cfg.recipe or "run")
+
+
 def header_options(cfg: RunConfig, run_dir: Optional[str]) -> List[str]:
     sl = cfg.launcher.slurm
-    opts = [f"--job-name={sl.job_name or 'hpc_rl-' + (cfg.recipe or 'run')}"]
+    opts = [f"--job-name={job_name(cfg)}"]
     # The batch shell's own log: in the run directory when known, else beside the submit dir.
     out = str(RunDir(run_dir).batch_log) if run_dir else f"hpc_rl-{cfg.recipe}-%j.out"
     opts += [f"--output={out}", "--open-mode=append"]

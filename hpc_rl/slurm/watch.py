@@ -11,12 +11,16 @@ records (FINISHED, error reports, a stop for a requeue, job_exit.json). Either w
 but the run directory and, for Slurm runs, the Slurm commands is needed.
 
 `follow` (used by `launcher.wait=true`) prints one line per change of any component's state.
+A job that no source lists for a while (UNKNOWN) is followed on while its run directory
+changes. Reattaching checks that Slurm's job of the recorded id is still this run's (ids
+come back after a controller restart): `--cancel` refuses another job.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,31 +38,83 @@ FILE_TERMINAL = (COMPLETED, FAILED, STOPPED)
 
 def status_line(job: HetJob, states: Dict[str, str], t0: float) -> str:
     cells = "  ".join(f"{role}={states.get(role, '?')}" for role in job.roles)
-    return f"[{time.monotonic() - t0:6.1f}s] job {job.job_id} ({job.watcher.source}): {cells}"
+    return f"[{time.monotonic() - t0:6.1f}s] job {job.job_id} ({job.source}): {cells}"
+
+
+def last_activity(run_dir: Optional[Path], depth: int = 2) -> Optional[float]:
+    """The newest modification time of anything in the run directory (logs, timing, heartbeats,
+    records, checkpoints), `depth` levels down: a running job writes there."""
+    if run_dir is None:
+        return None
+    newest: Optional[float] = None
+    stack = [(Path(run_dir), 0)]
+    while stack:
+        path, level = stack.pop()
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+            if level < depth and entry.is_dir(follow_symlinks=False):
+                stack.append((Path(entry.path), level + 1))
+    return newest
+
+
+class LostJudge:
+    """UNKNOWN (no source lists the job) is reported, not fatal: a loaded slurmdbd or a slow
+    controller can hide a healthy job for a while. The job counts as lost only when it has read
+    UNKNOWN for `lost_after_s` and its run directory has not changed for as long."""
+
+    def __init__(self, run_dir: Optional[Path], lost_after_s: float) -> None:
+        self.run_dir, self.lost_after_s = run_dir, lost_after_s
+        self.since: Optional[float] = None
+
+    def lost(self, overall: str) -> bool:
+        if overall != "UNKNOWN":
+            self.since = None
+            return False
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since <= self.lost_after_s:
+            return False
+        active = last_activity(self.run_dir)
+        return active is None or time.time() - active > self.lost_after_s
+
+    def note(self) -> str:
+        """What a status line adds while the state is UNKNOWN."""
+        if self.since is None:
+            return ""
+        active = last_activity(self.run_dir)
+        ago = f"run directory written {time.time() - active:.0f}s ago" if active is not None else "no run directory yet"
+        return f"  [UNKNOWN for {time.monotonic() - self.since:.0f}s: no source lists the job; {ago}; still following]"
 
 
 def follow(job: HetJob, poll_s: float = 2.0, timeout_s: Optional[float] = None, echo: Callable[[str], None] = print,
            lost_after_s: float = 60.0) -> str:
     """Block until the job ends, printing per-role states as they change; returns the final
-    state. A job Slurm no longer lists and that left no exit record counts as lost
-    (UNKNOWN) after `lost_after_s`."""
+    state. A job no source lists (UNKNOWN) is followed on while its run directory changes;
+    it counts as lost after `lost_after_s` of both (LostJudge)."""
     t0 = time.monotonic()
     last = None
-    unknown_since: Optional[float] = None
+    judge = LostJudge(job.run_dir, lost_after_s)
+    last_note = -1.0
     while True:
         states = job.component_states(force=True)
         overall = job.watcher.get_state(job.job_id, mode="cache")
+        lost = judge.lost(overall)
         if (states, overall) != last:
             echo(status_line(job, states, t0))
             last = (states, overall)
-        if overall in TERMINAL:
+        elif overall == "UNKNOWN" and time.monotonic() - last_note >= max(10.0, poll_s):
+            echo(status_line(job, states, t0) + judge.note())  # say it, every 10 s at most
+            last_note = time.monotonic()
+        if overall in TERMINAL or lost:
             return overall
-        if overall == "UNKNOWN":
-            unknown_since = unknown_since or time.monotonic()
-            if time.monotonic() - unknown_since > lost_after_s:
-                return overall
-        else:
-            unknown_since = None
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"job {job.job_id} still {overall} after {timeout_s:.0f}s")
         time.sleep(poll_s)
@@ -84,7 +140,10 @@ def job_state(job: Optional[HetJob], run_dir: Path) -> Tuple[str, str, bool]:
     states = job.component_states(force=True)
     overall = job.watcher.get_state(job.job_id, mode="cache")
     cells = "  ".join(f"{role}={states.get(role, '?')}" for role in job.roles)
-    return overall, f"job {job.job_id} {overall} ({job.watcher.source}): {cells}", overall in TERMINAL
+    failed = job.failed_role() if overall in TERMINAL_BAD else None
+    other = job.watcher.get_info(job.job_id, mode="cache").get("other_job")
+    line = f"job {job.job_id} {overall} ({job.source}): {cells}" + (f"  failed role: {failed}" if failed else "")
+    return overall, line + (f"\n  note: {other}" if other else ""), overall in TERMINAL
 
 
 def watch(run_dir: Path, once: bool = False, steps: int = DEFAULT_STEPS, poll_s: float = 2.0,
@@ -93,7 +152,7 @@ def watch(run_dir: Path, once: bool = False, steps: int = DEFAULT_STEPS, poll_s:
     job = job_from_run_dir(run_dir) if RunDir(run_dir).job_meta.exists() else None
     tty = sys.stdout.isatty() and echo is print
     last_key = None
-    unknown_since: Optional[float] = None
+    judge = LostJudge(run_dir, lost_after_s)
     while True:
         overall, line, final = job_state(job, run_dir)
         view = render(run_dir, line, steps)
@@ -105,11 +164,8 @@ def watch(run_dir: Path, once: bool = False, steps: int = DEFAULT_STEPS, poll_s:
         if key != last_key:
             echo(("\x1b[H\x1b[2J" if tty else "") + view + ("" if tty else "\n"))
             last_key = key
-        if overall == "UNKNOWN":  # Slurm forgot a job that left no exit record: lost
-            unknown_since = unknown_since or time.monotonic()
-            final = time.monotonic() - unknown_since > lost_after_s
-        else:
-            unknown_since = None
+        if judge.lost(overall):  # no source lists it, and the run directory stopped changing
+            final = True
         if final:
             if job is not None:
                 echo(f"job {job.job_id} {overall}\n{summarize(job)}")
@@ -137,9 +193,17 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         job = job_from_run_dir(args.run_dir)
+        same, why = job.check_identity()
+        if same is False:  # never scancel someone else's job that got this run's old id
+            print(f"{args.run_dir}: job {job.job_id} is not this run's job any more ({why}); not cancelled", file=sys.stderr)
+            return 1
         job.cancel()
         print(f"cancelled job {job.job_id}")
         return 0
+    if RunDir(args.run_dir).job_meta.exists():
+        same, why = job_from_run_dir(args.run_dir).check_identity()
+        if same is not True:
+            print(("not this run's job: " if same is False else "cannot tell whether this is the run's job: ") + why, file=sys.stderr)
     state = watch(args.run_dir, once=args.once, steps=args.steps, poll_s=args.poll)
     return 0 if args.once or state == COMPLETED else 1
 
