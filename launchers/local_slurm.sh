@@ -284,8 +284,7 @@ MessageTimeout=10
 InactiveLimit=0
 KillWait=5
 Waittime=0
-# Finished jobs stay visible to 'scontrol show job' and squeue for 5 min (what job handles
-# read without accounting).
+# Finished jobs stay visible to 'scontrol show job' for 5 min (there is no accounting DB).
 MinJobAge=300
 
 GresTypes=gpu
