@@ -218,3 +218,20 @@ def test_names_and_shapes_match_gptmodels_megatron_builds_on_cpu(models, tmp_pat
         d = ModelDims.from_hf_config(cfg)
         mc = hf_to_megatron(hf, d, Style(te=False, grouped_experts=False, padded_vocab=padded_vocab(d.vocab, 1)))
         assert {k: list(v.shape) for k, v in mc.items()} == built[key], key
+
+
+def test_process_groups_are_megatrons():
+    from megatron.core.parallel_state import RankGenerator
+
+    from hpc_rl.models.megatron.shards import mesh_groups
+
+    p = Parallel(tp=2, cp=2, dp=2, pp=2, ep=2, etp=2)
+    dense = RankGenerator(tp=p.tp, ep=1, dp=p.dp, pp=p.pp, cp=p.cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=p.etp, ep=p.ep, dp=p.edp, pp=p.pp, cp=1, order="tp-cp-ep-dp-pp")
+    ours = mesh_groups(p)
+    for name, gen, token in (("tp", dense, "tp"), ("cp", dense, "cp"), ("dp", dense, "dp"), ("pp", dense, "pp"),
+                             ("tp_cp", dense, "tp-cp"), ("dp_cp", dense, "cp-dp"), ("mp", dense, "tp-pp"),
+                             ("tp_dp_cp", dense, "tp-cp-dp"), ("ep", expert, "ep"), ("expt_tp", expert, "tp"),
+                             ("expt_dp", expert, "dp"), ("tp_ep", expert, "tp-ep"), ("tp_ep_pp", expert, "tp-ep-pp")):
+        assert ours[name] == sorted(sorted(g) for g in gen.get_ranks(token)), name
+    assert ours["embd"][0] == [0, 8] and ours["pos_embd"][0] == [0]

@@ -217,3 +217,32 @@ def gather(locals_: Mapping[int, Mapping[str, torch.Tensor]], specs: Mapping[str
     if missing:
         raise MappingError(f"no rank holds all of {missing[:4]}")
     return out
+
+
+# The process groups megatron-core's ProcessGroupCollection names, as lists of mesh ranks:
+# name -> (the mesh, the coordinates that vary inside one group).
+_GROUPS = {
+    "tp": ("dense", ("tp",)), "cp": ("dense", ("cp",)), "dp": ("dense", ("dp",)), "pp": ("dense", ("pp",)),
+    "tp_cp": ("dense", ("tp", "cp")), "dp_cp": ("dense", ("dp", "cp")), "mp": ("dense", ("tp", "pp")),
+    "tp_dp_cp": ("dense", ("tp", "dp", "cp")),
+    "ep": ("expert", ("ep",)), "expt_tp": ("expert", ("etp",)), "expt_dp": ("expert", ("edp",)),
+    "tp_ep": ("expert", ("etp", "ep")), "tp_ep_pp": ("expert", ("etp", "ep", "pp")),
+}
+_MESH = {"dense": ("tp", "cp", "dp", "pp"), "expert": ("etp", "ep", "edp", "pp")}
+
+
+def mesh_groups(p: Parallel) -> Dict[str, List[List[int]]]:
+    """Every group of every kind (ranks ascending, groups in order of their lowest rank);
+    `embd` joins the first and last pipeline stage, `pos_embd` is the first stage alone."""
+    coords = [coords_of(r, p) for r in range(p.world)]
+    out: Dict[str, List[List[int]]] = {}
+    for name, (mesh, vary) in _GROUPS.items():
+        fixed = [a for a in _MESH[mesh] if a not in vary]
+        by: Dict[tuple, List[int]] = {}
+        for r, c in enumerate(coords):
+            by.setdefault(tuple(getattr(c, a) for a in fixed), []).append(r)
+        out[name] = sorted(by.values())
+    last = p.pp - 1
+    out["embd"] = [sorted({g[0], g[-1]}) for g in out["pp"]] if last else [[g[0]] for g in out["pp"]]
+    out["pos_embd"] = [[g[0]] for g in out["pp"]]
+    return out
