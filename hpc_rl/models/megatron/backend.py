@@ -89,6 +89,12 @@ class MegatronBackend:
         if problem:
             raise ValueError(f"{path} on the megatron backend: {problem}")
         self.pgs = self._groups()
+        from megatron.core import parallel_state
+
+        # megatron-core's local attention takes scratch space from this process-wide buffer
+        # (no process group involved); Megatron's own initialisation would have set it
+        if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+            parallel_state._set_global_memory_buffer()
         te = _have_te()
         self.style = Style(te=te, grouped_experts=te and bool(self.dims.num_experts), padded_vocab=padded_vocab(self.dims.vocab, self.p.tp))
         tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=self.c.tp, ep_rank=self.c.ep, etp_rank=self.c.etp)
@@ -96,7 +102,7 @@ class MegatronBackend:
         self.first, self.last = self.c.pp == 0, self.c.pp == self.p.pp - 1
         core = GPTModel(self.tcfg, config_map.layer_spec(self.tcfg, te), pre_process=self.first, post_process=self.last,
                         pg_collection=self.pgs, **config_map.model_kwargs(hf_cfg, self.p, self.max_seq_len))
-        core.cuda(self.device)
+        core.to(self.device)
         self.hf_specs = {n: (tuple(t.shape), t.dtype) for n, t in hf_state.items() if not (self.dims.tied and n == "lm_head.weight")}
         self._load(core, hf_state)
         del hf_state
@@ -123,7 +129,9 @@ class MegatronBackend:
             # each rank is in exactly one group per kind and kinds come in a fixed order, so
             # members meet in the same order; non-members never enter (local synchronization)
             setattr(pgs, name, dist.new_group([self.ranks[r] for r in mine], use_local_synchronization=True))
+        # one distributed-optimizer instance: it spans the whole mesh, with no groups between instances
         pgs.intra_dp_cp, pgs.intra_expt_dp = pgs.dp_cp, pgs.expt_dp
+        pgs.intra_dist_opt, pgs.inter_dist_opt = self.pgs_world(), None
         return pgs
 
     def _load(self, core, hf_state) -> None:
@@ -143,7 +151,7 @@ class MegatronBackend:
         self.model = ddp
         self.optimizer = get_megatron_optimizer(
             config_map.optimizer_config(config_map.optimizer_kwargs(self.train_cfg, self.precision)), [ddp],
-            pg_collection=self.pgs)
+            use_gloo_process_groups=False, pg_collection=self.pgs)  # megatron takes no gloo groups with a pg_collection
         # what megatron's own training loop wires into the config for its schedules
         self.tcfg.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=self.pgs)
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
@@ -201,7 +209,8 @@ class MegatronBackend:
         from this rank's vocabulary block and sequence chunks; gradients reach only the
         local chunks (the other ranks' chunks are their own)."""
         v_local = logits.shape[-1]
-        lp = vocab_parallel_logprobs(logits, batch["labels"], self.c.tp * v_local, self.pgs.tp if self.p.tp > 1 else None)
+        lp = vocab_parallel_logprobs(logits, batch["labels"], self.c.tp * v_local, self.pgs.tp if self.p.tp > 1 else None,
+                                     vocab_size=self.dims.vocab)
         if self.p.cp > 1:
             parts = [torch.empty_like(lp) for _ in range(self.p.cp)]
             dist.all_gather(parts, lp.detach().contiguous(), group=self.pgs.cp)
@@ -324,7 +333,10 @@ class MegatronBackend:
                     return output, {}
                 best = torch.tensor([-float("inf"), -1.0], device=output.device)
                 if len(where):
-                    v, i = output[0, where[0, 0]].float().max(-1)
+                    row = output[0, where[0, 0]].float()
+                    real = self.dims.vocab - self.c.tp * output.shape[-1]  # rows past it are padding
+                    row[max(real, 0):] = float("-inf")
+                    v, i = row.max(-1)
                     best = torch.stack([v, (i + self.c.tp * output.shape[-1]).float()])
                 cands = [torch.empty_like(best) for _ in range(self.p.tp * self.p.cp)]
                 dist.all_gather(cands, best, group=self.pgs.tp_cp)

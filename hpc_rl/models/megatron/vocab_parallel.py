@@ -12,14 +12,22 @@ Pure torch.distributed: tests/test_megatron_vocab_parallel.py runs it over gloo 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group, vocab_size) -> torch.Tensor:
         logits = logits.float()
+        if vocab_size is not None and vocab_start + logits.shape[-1] > vocab_size:
+            # Megatron pads the vocabulary; padding rows are not tokens and must not take
+            # probability mass (24 zero logits out of 128 would shift every log-prob by
+            # log(128/104) on a tiny model)
+            logits = logits.clone()
+            logits[..., max(vocab_size - vocab_start, 0):] = float("-inf")
         m = logits.max(dim=-1).values
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -43,10 +51,12 @@ class _VocabParallelLogprob(torch.autograd.Function):
         softmax, idx, mine = ctx.saved_tensors
         g = -softmax
         g.scatter_add_(-1, idx.unsqueeze(-1), mine.unsqueeze(-1).to(g.dtype))
-        return g * grad.unsqueeze(-1), None, None, None
+        return g * grad.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group=None) -> torch.Tensor:
+def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group=None,
+                            vocab_size: Optional[int] = None) -> torch.Tensor:
     """log p(target) for logits [..., V_local] holding vocabulary rows [vocab_start,
-    vocab_start + V_local) of a vocabulary split over `group` (None: the whole vocabulary)."""
-    return _VocabParallelLogprob.apply(logits, target, vocab_start, group)
+    vocab_start + V_local) of a vocabulary split over `group` (None: the whole vocabulary);
+    rows from `vocab_size` on (Megatron's padding) get no probability."""
+    return _VocabParallelLogprob.apply(logits, target, vocab_start, group, vocab_size)
