@@ -235,3 +235,20 @@ def test_process_groups_are_megatrons():
                              ("expt_dp", expert, "dp"), ("tp_ep", expert, "tp-ep"), ("tp_ep_pp", expert, "tp-ep-pp")):
         assert ours[name] == sorted(sorted(g) for g in gen.get_ranks(token)), name
     assert ours["embd"][0] == [0, 8] and ours["pos_embd"][0] == [0]
+
+
+def test_loading_helpers_read_the_checkpoint_and_follow_fsdp2s_schedule(tmp_path):
+    from hpc_rl.config import load_config
+    from hpc_rl.models.assets import ModelSpec, save_untrained
+    from hpc_rl.models.fsdp2 import OptimConfig, lr_at as fsdp2_lr_at
+    from hpc_rl.models.megatron.loading import lr_at, meta_hf_model, read_hf
+
+    ckpt = save_untrained(tmp_path / "tiny", ModelSpec(hidden=64, intermediate=128, layers=1, heads=2), seed=0)
+    cfg, state = read_hf(str(ckpt))
+    assert cfg["model_type"] == "llama" and "model.layers.0.mlp.up_proj.weight" in state
+    meta = meta_hf_model(str(ckpt))
+    assert meta.config.vocab_size == cfg["vocab_size"] and next(meta.parameters()).device.type == "meta"
+    train = load_config(["+recipe=ultra_mopd"]).trainer
+    o, s = train.optimizer, train.scheduler
+    ref = OptimConfig(lr=o.lr, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr)
+    assert [lr_at(k, train) for k in range(12)] == [fsdp2_lr_at(k, ref) for k in range(12)]

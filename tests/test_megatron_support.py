@@ -73,3 +73,15 @@ def test_nemotron_h_is_refused_on_megatron_with_what_is_missing():
 def test_the_rules_and_the_registry_agree_with_the_mapping():
     assert set(MEGATRON_ARCHITECTURES) == set(ARCHITECTURES)
     assert "megatron" in available()
+
+
+def test_the_gpu_check_says_it_did_not_run_without_cuda(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "megatron_gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.models.megatron.gpu_check", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    doc = json.loads(out.read_text())
+    assert proc.returncode == 3 and doc["ran"] is False and "CUDA" in doc["why"]

@@ -64,3 +64,15 @@ def test_vocab_parallel_logprobs_and_grads_match_the_whole_vocabulary():
     for rank, lp, grad in got:
         torch.testing.assert_close(lp, want.detach(), rtol=0, atol=1e-5)
         torch.testing.assert_close(grad, full.grad[..., rank * n:(rank + 1) * n], rtol=0, atol=1e-6)
+
+
+def test_padding_rows_take_no_probability():
+    logits, target, _ = _data()
+    padded = torch.cat([logits, torch.zeros(2, 5, 4)], dim=-1).requires_grad_(True)
+    lp = vocab_parallel_logprobs(padded, target, 0, vocab_size=V)
+    want = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp, want, rtol=0, atol=1e-5)
+    lp.sum().backward()
+    assert not padded.grad[..., V:].any()
+    # without the vocabulary size the padding would take mass: the check can fail
+    assert (vocab_parallel_logprobs(padded.detach(), target, 0) - want).abs().max() > 0.01

@@ -19,9 +19,7 @@ Not run in this version's CI (no GPU): tests/gpu/megatron_check.sh is the prepar
 
 from __future__ import annotations
 
-import json
 from functools import partial
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -31,35 +29,10 @@ from hpc_rl.models.backend import BackendSpec, LossFn, Shards
 
 from . import config_map
 from .hf_mapping import ModelDims, Style, hf_to_megatron, padded_vocab
+from .loading import have_te, lr_at, meta_hf_model, read_hf
 from .refit_layout import local_hf_shards, megatron_layout
 from .shards import Parallel, coords_of, local_state, mesh_groups
 from .vocab_parallel import vocab_parallel_logprobs
-
-
-def _have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _lr_at(step: int, train: Any) -> float:
-    o, s = train.optimizer, train.scheduler
-    if s.warmup_steps <= 0 or step >= s.warmup_steps:
-        return o.lr
-    return s.warmup_start_lr + (o.lr - s.warmup_start_lr) * step / s.warmup_steps
-
-
-def _read_hf(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    cfg = json.loads((p / "config.json").read_text())
-    state: Dict[str, torch.Tensor] = {}
-    for f in sorted(p.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return cfg, state
 
 
 class MegatronBackend:
@@ -83,7 +56,7 @@ class MegatronBackend:
         self.c = coords_of(self.me, self.p)
         self.sp = bool(getattr(train, "sequence_parallel", False)) and self.p.tp > 1
         self.max_seq_len = getattr(train, "max_seq_len", 4096)
-        hf_cfg, hf_state = _read_hf(path)
+        hf_cfg, hf_state = read_hf(path)
         self.dims = ModelDims.from_hf_config(hf_cfg)
         problem = config_map.check(hf_cfg, self.p, self.sp, self.max_seq_len)
         if problem:
@@ -95,7 +68,10 @@ class MegatronBackend:
         # (no process group involved); Megatron's own initialisation would have set it
         if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
             parallel_state._set_global_memory_buffer()
-        te = _have_te()
+        te = have_te()
+        if self.p.cp > 1 and not te:
+            raise ValueError("context parallel > 1 on the megatron backend needs Transformer Engine's attention: "
+                             "install the gpu extra (transformer-engine) or set the role's parallel.cp=1")
         self.style = Style(te=te, grouped_experts=te and bool(self.dims.num_experts), padded_vocab=padded_vocab(self.dims.vocab, self.p.tp))
         tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=self.c.tp, ep_rank=self.c.ep, etp_rank=self.c.etp)
         self.tcfg = config_map.transformer_config(config_map.transformer_kwargs(hf_cfg, self.p, self.sp, precision, te=te))
@@ -116,7 +92,7 @@ class MegatronBackend:
         else:
             core.eval()
             core.requires_grad_(False)
-        self.export_model = self._meta_hf(path)
+        self.export_model = meta_hf_model(path)
 
     # ---------------------------------------------------------------------------- set-up
     def _groups(self):
@@ -156,19 +132,6 @@ class MegatronBackend:
         self.tcfg.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=self.pgs)
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self.tcfg.no_sync_func = ddp.no_sync
-
-    @staticmethod
-    def _meta_hf(path: str):
-        """An HF model on the meta device: its config and tied names for the HF export."""
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-        with torch.device("meta"):
-            m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        try:
-            m.generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:
-            pass
-        return m
 
     # ------------------------------------------------------------------------- protocol
     @property
@@ -277,7 +240,7 @@ class MegatronBackend:
                    micro_batch_size: int) -> Dict[str, float]:
         assert self.optimizer is not None, "inference-only backend has no optimizer"
         self.model.train()
-        lr = _lr_at(self.step_count, self.train_cfg)
+        lr = lr_at(self.step_count, self.train_cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.zero_grad_buffer()

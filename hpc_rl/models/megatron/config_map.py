@@ -85,9 +85,10 @@ def transformer_kwargs(hf: Mapping, p: Parallel, sequence_parallel: bool, precis
         use_cpu_initialization=cpu_init,
         # sequences of a step differ in length; pipeline stages exchange their real shapes
         variable_seq_lengths=True,
-        # fused kernels exist only with Transformer Engine / apex on GPUs
-        apply_rope_fusion=te, bias_activation_fusion=te, masked_softmax_fusion=te, bias_dropout_fusion=te,
-        persist_layer_norm=te, gradient_accumulation_fusion=te,
+        # fused kernels that Transformer Engine provides; the apex-only ones (persistent layer
+        # norm, fused weight-gradient accumulation, masked softmax) stay off: apex is not a dependency
+        apply_rope_fusion=te, bias_activation_fusion=te, bias_dropout_fusion=te,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
     )
     if d.num_experts:
         norm_topk = bool(hf.get("norm_topk_prob", False))

@@ -53,12 +53,13 @@ def run(out: dict, tmp: Path) -> None:
     from hpc_rl.config.schema import OptimizerConfig, TrainerConfig
     from hpc_rl.models.assets import ModelSpec, save_untrained
     from hpc_rl.models.fsdp2 import token_logprobs
-    from hpc_rl.models.megatron.backend import MegatronBackend, _have_te
+    from hpc_rl.models.megatron.backend import MegatronBackend
+    from hpc_rl.models.megatron.loading import have_te
 
     out["stage"] = "build checkpoint"
     ckpt = save_untrained(tmp / "tiny", ModelSpec(hidden=256, intermediate=512, layers=2, heads=4, max_positions=256), seed=0)
     tok = AutoTokenizer.from_pretrained(ckpt)
-    out["transformer_engine"] = _have_te()
+    out["transformer_engine"] = have_te()
     torch.cuda.set_device(0)
     port = _port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
