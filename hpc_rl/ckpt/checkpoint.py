@@ -177,6 +177,8 @@ def _optimizers(backend, for_save: bool) -> list:
 def _dcp_state(backend, optimizers: list) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    if hasattr(backend, "dcp_state"):  # backends whose shards are not DTensors (megatron) key their own
+        return backend.dcp_state(bool(optimizers))
     # get_state_dict keys both dicts by parameter FQN and keeps FSDP2 DTensors sharded, so each
     # rank writes only its shards and a later load may use another world size.
     return get_state_dict(backend.model, optimizers)
@@ -373,7 +375,10 @@ def load_checkpoint(path, backend, group: Optional[dist.ProcessGroup] = None) ->
     model_sd, optim_sd = _dcp_state(backend, optimizers)  # the templates DCP loads into, sharded like this backend
     state = {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
     _dcp_call(dcp.load, state, path / DCP_DIR, group)
-    set_state_dict(backend.model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+    if hasattr(backend, "load_dcp_state"):
+        backend.load_dcp_state(state["model"], state.get("optim", {}))
+    else:
+        set_state_dict(backend.model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
     backend.step_count = int(manifest.get("backend_step_count", manifest["step"]))
 
     rank = _group_rank(group)

@@ -65,7 +65,8 @@ def export_hf(backend, out_dir, tokenizer_dir=None, group: Optional[dist.Process
     try:
         # Rank 0 only; the others wait at the barrier below, which rank 0 reaches even on error
         # so that a refused export fails the job instead of hanging it.
-        _write(backend.model, state, out_dir, tokenizer_dir, dtype, max_shard_bytes, overwrite)
+        # a backend whose model is not a HF module (megatron) names one for the config and tied names
+        _write(getattr(backend, "export_model", backend.model), state, out_dir, tokenizer_dir, dtype, max_shard_bytes, overwrite)
     finally:
         if group is not None and dist.is_initialized():
             dist.barrier(group=group)

@@ -2,8 +2,8 @@
 
 `validate` (validate.py) finds configs that are wrong: always fatal, also for the dry run.
 `unsupported` finds configs that are right but ask for something the runtime of this
-version does not do (Megatron, tensor/context/expert/pipeline parallel training, async
-rollouts, a reference-KL penalty). Real launches (launcher=local|slurm, a hand-submitted
+version does not do (tensor/context/expert/pipeline parallel training on the fsdp2 backend,
+async rollouts, a reference-KL penalty, checkpoints the chosen backend cannot load). Real launches (launcher=local|slurm, a hand-submitted
 script) refuse them; the dry run still plans and renders such a recipe (the flagship
 ultra_mopd is one) and lists them with `render_unsupported`.
 
@@ -36,9 +36,12 @@ class Rule:
     # The run.program values the rule guards: the wiring check (comm_check) trains nothing,
     # so backend and algorithm settings mean nothing to it and are not refused there.
     programs: Tuple[str, ...] = ("rl",)
+    # When the rule applies at all (None: always); a refusal that belongs to one backend
+    # (fsdp2's 1-D mesh) does not apply when another backend honours the key.
+    applies: Optional[Callable[[RunConfig], bool]] = None
 
     def check(self, cfg: RunConfig) -> List[Violation]:
-        if cfg.run.program not in self.programs:
+        if cfg.run.program not in self.programs or (self.applies is not None and not self.applies(cfg)):
             return []
         found = []
         for key, owner, name in resolve(cfg, self.key):
@@ -61,6 +64,20 @@ class Fact:
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
 ARCHITECTURES = ("llama", "qwen2")
+# ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
+# tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
+MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+def _fsdp2(cfg: RunConfig) -> bool:
+    """The students and teachers run on the fsdp2 backend (teachers use trainer.backend too)."""
+    return cfg.trainer.backend != "megatron"
+
+
+def _megatron(cfg: RunConfig) -> bool:
+    return cfg.trainer.backend == "megatron"
+
+
 _ENV_PRECISION = EnvConfig.precision  # the schema default: env ranks never read it
 
 _DIMS = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
@@ -73,22 +90,24 @@ def _above_one(value: Any) -> bool:
     return value is not None and value > 1
 
 
-def _parallel_rules(section: str, problem: str, fix: str) -> List[Rule]:
-    return [Rule(f"{section}.parallel.{dim}", _above_one, problem.format(dim=name), fix, example=2)
+def _parallel_rules(section: str, problem: str, fix: str, applies: Optional[Callable[[RunConfig], bool]] = None) -> List[Rule]:
+    return [Rule(f"{section}.parallel.{dim}", _above_one, problem.format(dim=name), fix, example=2, applies=applies)
             for dim, name in _DIMS.items()]
 
 
 RULES: List[Rule] = [
-    Rule("trainer.backend", lambda v: v == "megatron",
-         "the Megatron-core backend is not in this version; the trainer would run FSDP2 instead",
-         "set trainer.backend=fsdp2", example="megatron"),
+    # trainer.backend=megatron: accepted on GPU clusters (validate.py refuses it where
+    # cluster.gpus_per_node=0: megatron-core has no CPU path). Megatron honours tp, cp, ep,
+    # etp, pp and sequence parallel, for the student and for inference-only teachers.
     *_parallel_rules("trainer", _FSDP2.replace("{who}", "trainer"),
-                     "set {key}=1 (the data parallel size is derived from the trainer's ranks)"),
+                     "set {key}=1 (the data parallel size is derived from the trainer's ranks), or trainer.backend=megatron "
+                     "on a GPU cluster", applies=_fsdp2),
     Rule("trainer.sequence_parallel", bool,
          "sequence parallelism splits activations over tensor parallel ranks, which the fsdp2 backend "
-         "of this version does not have", "set trainer.sequence_parallel=false", example=True),
+         "of this version does not have", "set trainer.sequence_parallel=false (or trainer.backend=megatron on a GPU cluster)",
+         example=True, applies=_fsdp2),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
-                     "set {key}=1 (the data parallel size is derived from the teacher group's ranks)"),
+                     "set {key}=1 (the data parallel size is derived from the teacher group's ranks)", applies=_fsdp2),
     *_parallel_rules("generator",
                      "the RL program runs one vLLM engine per generator rank; an engine spanning several "
                      "ranks ({dim}) cannot be launched yet",
@@ -103,7 +122,13 @@ RULES: List[Rule] = [
          f"the fsdp2 backend of this version loads {' and '.join(ARCHITECTURES)} checkpoints only "
          "(Hugging Face LlamaForCausalLM, Qwen2ForCausalLM)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
-         example="nemotron_h"),
+         example="nemotron_h", applies=_fsdp2),
+    Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,
+         f"the megatron backend of this version converts {', '.join(MEGATRON_ARCHITECTURES)} checkpoints only; "
+         "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model and a mapping of its Mamba, "
+         "attention and MoE layers, which this version does not have (docs/megatron.md)",
+         f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
+         example="nemotron_h", applies=_megatron),
     Rule("algo.async_rollout.enabled", bool,
          "the RL loop of this version is lock-step: each step generates with the current weights, "
          "trains, then refits the generators; asynchronous rollouts are not implemented",

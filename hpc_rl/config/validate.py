@@ -134,8 +134,9 @@ def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
     t = cfg.trainer
     cl = cfg.cluster
     if t.backend == "megatron" and cl.gpus_per_node == 0:
-        out.append(Violation("trainer.backend", t.backend, "Megatron-core's forward path needs CUDA; this cluster has no GPUs",
-                             "use trainer.backend=fsdp2 on CPU clusters"))
+        out.append(Violation("trainer.backend", t.backend, "Megatron-core's forward path needs CUDA; this cluster has no GPUs "
+                             f"(cluster.gpus_per_node=0 on {cl.name})",
+                             "use trainer.backend=fsdp2 on CPU clusters, or a GPU cluster (cluster=gb200_nvl72, cluster=h100)"))
     if t.sequence_parallel and t.parallel.tp == 1:
         out.append(Violation("trainer.sequence_parallel", True, "sequence parallelism splits along tensor parallel ranks and needs tp > 1",
                              "set trainer.sequence_parallel=false or trainer.parallel.tp > 1"))

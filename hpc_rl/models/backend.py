@@ -65,3 +65,6 @@ class BackendSpec:
     device: str
     group: Any  # the role's process group
     train: Any = None  # hpc_rl.config.schema.TrainerConfig, or None for inference only
+    # the role's parallel section when it does not train (teachers.<alias>.parallel): model-
+    # parallel backends (megatron) split by it; fsdp2 ignores it (validation refuses sizes > 1 there)
+    parallel: Any = None

@@ -14,9 +14,16 @@ def _fsdp2(spec: BackendSpec) -> TrainingBackend:
     return FSDP2Backend.from_spec(spec)
 
 
+def _megatron(spec: BackendSpec) -> TrainingBackend:
+    from .megatron.backend import MegatronBackend  # imports megatron-core: GPU clusters only
+
+    return MegatronBackend.from_spec(spec)
+
+
 # Names here are values of the schema's Literal (tests/test_roles.py); a schema value with no
-# factory (megatron) is refused by validation (config/support.py).
-BACKENDS: Dict[str, Callable[[BackendSpec], TrainingBackend]] = {"fsdp2": _fsdp2}
+# factory would be refused by validation (config/support.py). megatron is refused on CPU
+# clusters by validate.py (megatron-core has no CPU path).
+BACKENDS: Dict[str, Callable[[BackendSpec], TrainingBackend]] = {"fsdp2": _fsdp2, "megatron": _megatron}
 
 
 def build_backend(name: str, spec: BackendSpec) -> TrainingBackend:

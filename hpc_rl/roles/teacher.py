@@ -31,7 +31,7 @@ class TeacherRole:
         t = cfg.teachers[group]
         self.max_tokens = cfg.generator.sampling.max_tokens
         self.backend = build_backend(cfg.trainer.backend, BackendSpec(t.checkpoint, t.precision, ctx.device,
-                                                                      ctx.groups.role))
+                                                                      ctx.groups.role, parallel=t.parallel))
         router = TeacherRouter.from_config(cfg)
         ctx.log.info("teacher group %s (aliases %s) loaded from %s (%s backend)", group,
                      [a for a in cfg.teachers if router.group_of(a) == group], t.checkpoint, cfg.trainer.backend)

@@ -50,7 +50,10 @@ class TrainerRole:
         if self.is_driver:
             engine_dtype = vllm_dtype(cfg.generator.precision)
             specs = {n: (shape, engine_dtype) for n, (shape, _) in self.backend.refit_specs().items()}
+            # a backend with its own sharding (megatron) describes its ranks' boxes; else FSDP2's
+            source = getattr(self.backend, "refit_source_layout", None)
             setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
+                                src=source(specs) if source else None,
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=domain_of,
                                 engine_tp=cfg.generator.parallel.tp)
@@ -101,8 +104,10 @@ class TrainerRole:
         if n_tr == 1:
             return lp
         out = torch.zeros(full.input_ids.shape, dtype=torch.float32)
-        for k, t in enumerate(exchange.gather_all(lp, self.ctx.groups.role)):
-            out[exchange.strided(len(rows), k, n_tr)] = t
+        # with model parallel backends (megatron) several ranks share one data-parallel
+        # index and return the same rows: place each share by its sender's dp rank
+        for dp_rank, t in exchange.gather_all((self.backend.dp_rank, lp), self.ctx.groups.role):
+            out[exchange.strided(len(rows), dp_rank, n_tr)] = t
         return out
 
     # ------------------------------------------------------------------------------ train
@@ -143,11 +148,12 @@ class TrainerRole:
             metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn,
                                                    micro_batch_size=tr.micro_batch_size))
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
-        if dp > 1:  # average the ranks' minibatch metrics
+        world = dist.get_world_size(self.ctx.groups.role) if dp > 1 else 1
+        if world > 1:  # average the ranks' minibatch metrics (model-parallel ranks of one dp index agree)
             keys = sorted(out)
             v = torch.tensor([out[k] for k in keys], dtype=torch.float64)
             dist.all_reduce(v, group=self.ctx.groups.role)
-            out = {k: float(x) / dp for k, x in zip(keys, v)}
+            out = {k: float(x) / world for k, x in zip(keys, v)}
         out["advantage_mean"] = float(masked_mean(adv, mask))
         out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
         out["optimizer_steps"] = len(metrics)

@@ -1,0 +1,379 @@
+"""The Megatron-core TrainingBackend (GPU clusters only: megatron-core's forward allocates on
+CUDA). Imported only when trainer.backend=megatron builds it (models/registry.py).
+
+One class for the student (DDP with the distributed optimizer) and inference-only teachers.
+The role's ranks form Megatron's mesh in Megatron's rank order (shards.py), with their own
+process groups handed to megatron-core as a ProcessGroupCollection: the job's default group
+also holds generators, teachers and env ranks, so Megatron's global parallel_state (which
+assumes it owns the world) is never initialised. Groups are created with
+use_local_synchronization, so only their members enter them.
+
+Sequences are right-padded to a multiple of 2*cp (times tp under sequence parallel); with
+context parallel each rank feeds chunks r and 2cp-1-r of every sequence (Megatron's load
+balancing for causal attention) and the ranks' token log-probs are put back in order. The
+log-probs come from vocabulary-parallel logits (vocab_parallel.py). Pipeline stages run
+megatron-core's own schedules; the last stage's results are broadcast to the others.
+
+Not run in this version's CI (no GPU): tests/gpu/megatron_check.sh is the prepared check.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.models.backend import BackendSpec, LossFn, Shards
+
+from . import config_map
+from .hf_mapping import ModelDims, Style, hf_to_megatron, padded_vocab
+from .loading import have_te, lr_at, meta_hf_model, read_hf
+from .refit_layout import local_hf_shards, megatron_layout
+from .shards import Parallel, coords_of, local_state, mesh_groups
+from .vocab_parallel import vocab_parallel_logprobs
+
+
+class MegatronBackend:
+    @classmethod
+    def from_spec(cls, spec: BackendSpec) -> "MegatronBackend":
+        parallel = spec.train.parallel if spec.train is not None else spec.parallel
+        return cls(spec.checkpoint, spec.group, spec.precision, spec.device, train=spec.train, parallel=parallel)
+
+    def __init__(self, path: str, group, precision: str, device: str, train: Any = None, parallel: Any = None):
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+
+        self.device = torch.device(device)
+        self.train_cfg, self.precision = train, precision
+        self.ranks = dist.get_process_group_ranks(group)  # group rank i = Megatron mesh rank i
+        self.me = dist.get_rank(group)
+        q = parallel  # trainer.parallel or teachers.<alias>.parallel
+        sizes = dict(tp=q.tp, cp=q.cp, pp=q.pp, ep=q.ep, etp=q.etp) if q is not None else {}
+        inner = sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)
+        self.p = Parallel(dp=len(self.ranks) // inner, **sizes)
+        self.c = coords_of(self.me, self.p)
+        self.sp = bool(getattr(train, "sequence_parallel", False)) and self.p.tp > 1
+        self.max_seq_len = getattr(train, "max_seq_len", 4096)
+        hf_cfg, hf_state = read_hf(path)
+        self.dims = ModelDims.from_hf_config(hf_cfg)
+        problem = config_map.check(hf_cfg, self.p, self.sp, self.max_seq_len)
+        if problem:
+            raise ValueError(f"{path} on the megatron backend: {problem}")
+        self.pgs = self._groups()
+        from megatron.core import parallel_state
+
+        # megatron-core's local attention takes scratch space from this process-wide buffer
+        # (no process group involved); Megatron's own initialisation would have set it
+        if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+            parallel_state._set_global_memory_buffer()
+        te = have_te()
+        if self.p.cp > 1 and not te:
+            raise ValueError("context parallel > 1 on the megatron backend needs Transformer Engine's attention: "
+                             "install the gpu extra (transformer-engine) or set the role's parallel.cp=1")
+        self.style = Style(te=te, grouped_experts=te and bool(self.dims.num_experts), padded_vocab=padded_vocab(self.dims.vocab, self.p.tp))
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=self.c.tp, ep_rank=self.c.ep, etp_rank=self.c.etp)
+        self.tcfg = config_map.transformer_config(config_map.transformer_kwargs(hf_cfg, self.p, self.sp, precision, te=te))
+        self.first, self.last = self.c.pp == 0, self.c.pp == self.p.pp - 1
+        core = GPTModel(self.tcfg, config_map.layer_spec(self.tcfg, te), pre_process=self.first, post_process=self.last,
+                        pg_collection=self.pgs, **config_map.model_kwargs(hf_cfg, self.p, self.max_seq_len))
+        core.to(self.device)
+        self.hf_specs = {n: (tuple(t.shape), t.dtype) for n, t in hf_state.items() if not (self.dims.tied and n == "lm_head.weight")}
+        self._load(core, hf_state)
+        del hf_state
+        self.core = core
+        self.hf_config = hf_cfg
+        self.step_count = 0
+        self.optimizer = None
+        self.model = core
+        if train is not None:
+            self._wrap_for_training(core)
+        else:
+            core.eval()
+            core.requires_grad_(False)
+        self.export_model = meta_hf_model(path)
+
+    # ---------------------------------------------------------------------------- set-up
+    def _groups(self):
+        """Every Megatron group this rank belongs to, over the role's global ranks."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection()
+        for name, groups in mesh_groups(self.p).items():
+            mine = next(g for g in groups if self.me in g)
+            # each rank is in exactly one group per kind and kinds come in a fixed order, so
+            # members meet in the same order; non-members never enter (local synchronization)
+            setattr(pgs, name, dist.new_group([self.ranks[r] for r in mine], use_local_synchronization=True))
+        # one distributed-optimizer instance: it spans the whole mesh, with no groups between instances
+        pgs.intra_dp_cp, pgs.intra_expt_dp = pgs.dp_cp, pgs.expt_dp
+        pgs.intra_dist_opt, pgs.inter_dist_opt = self.pgs_world(), None
+        return pgs
+
+    def _load(self, core, hf_state) -> None:
+        whole = hf_to_megatron(hf_state, self.dims, self.style)
+        local = local_state(whole, self.dims, self.p, self.me)
+        missing, unexpected = core.load_state_dict(local, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"Megatron model vs converted checkpoint: missing {missing[:6]}, unexpected {unexpected[:6]}")
+
+    def _wrap_for_training(self, core) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        ddp = DistributedDataParallel(self.tcfg, DistributedDataParallelConfig(**config_map.ddp_kwargs()), core,
+                                      pg_collection=self.pgs)
+        self.model = ddp
+        self.optimizer = get_megatron_optimizer(
+            config_map.optimizer_config(config_map.optimizer_kwargs(self.train_cfg, self.precision)), [ddp],
+            use_gloo_process_groups=False, pg_collection=self.pgs)  # megatron takes no gloo groups with a pg_collection
+        # what megatron's own training loop wires into the config for its schedules
+        self.tcfg.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=self.pgs)
+        self.tcfg.grad_scale_func = self.optimizer.scale_loss
+        self.tcfg.no_sync_func = ddp.no_sync
+
+    # ------------------------------------------------------------------------- protocol
+    @property
+    def dp_rank(self) -> int:
+        return self.c.dp
+
+    @property
+    def dp_size(self) -> int:
+        return self.p.dp
+
+    def _unit(self) -> int:
+        return 2 * self.p.cp * (self.p.tp if self.sp else 1) if self.p.cp > 1 else (self.p.tp if self.sp else 1)
+
+    def _cp_index(self, t: int, r: Optional[int] = None) -> torch.Tensor:
+        """Positions of a length-t sequence that context-parallel rank r (default: this one)
+        feeds: chunks r and 2cp-1-r of 2cp equal chunks (t % 2cp == 0)."""
+        cp = self.p.cp
+        r = self.c.cp if r is None else r
+        if cp == 1:
+            return torch.arange(t)
+        chunk = t // (2 * cp)
+        return torch.cat([torch.arange(r * chunk, (r + 1) * chunk), torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
+
+    def _batch(self, input_ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+        b, t = input_ids.shape
+        unit = self._unit()
+        pad = (-t) % unit
+        ids = torch.nn.functional.pad(input_ids, (0, pad + 1))  # +1: the label of the last position
+        labels = ids[:, 1:]
+        ids = ids[:, :-1]
+        idx = self._cp_index(t + pad)
+        pos = torch.arange(t + pad).expand(b, -1)
+        dev = self.device
+        return {"ids": ids[:, idx].to(dev), "pos": pos[:, idx].to(dev), "labels": labels[:, idx].to(dev), "t": t, "tp_": t + pad}
+
+    def _token_logprobs(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        """[B, T] in hpc_rl's convention (out[:, i] = log p(token i | < i), out[:, 0] = 0)
+        from this rank's vocabulary block and sequence chunks; gradients reach only the
+        local chunks (the other ranks' chunks are their own)."""
+        v_local = logits.shape[-1]
+        lp = vocab_parallel_logprobs(logits, batch["labels"], self.c.tp * v_local, self.pgs.tp if self.p.tp > 1 else None,
+                                     vocab_size=self.dims.vocab)
+        if self.p.cp > 1:
+            parts = [torch.empty_like(lp) for _ in range(self.p.cp)]
+            dist.all_gather(parts, lp.detach().contiguous(), group=self.pgs.cp)
+            parts[self.c.cp] = lp
+            order = torch.cat([self._cp_index(batch["tp_"], r) for r in range(self.p.cp)]).to(lp.device)
+            lp = torch.cat(parts, dim=1)[:, torch.argsort(order)]
+        lp = lp[:, : batch["t"]]
+        return torch.cat([torch.zeros_like(lp[:, :1]), lp[:, :-1]], dim=1)
+
+    def _run(self, batches: List[dict], forward_only: bool, loss_fn=None) -> List[dict]:
+        """megatron-core's schedule over micro-batches; returns the last stage's per
+        micro-batch results, broadcast to every pipeline stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        n = len(batches)
+
+        def step(data, model):
+            b = next(data)
+            out = model(b["ids"], b["pos"], None)
+
+            def head(output):
+                if not self.last:
+                    return output, {}
+                lp = self._token_logprobs(output, b)
+                if forward_only:
+                    return output.new_zeros(()), {"lp": lp.detach().float().cpu()}
+                loss, m = loss_fn(lp, b["rows"])
+                # the schedule divides by the micro-batch count and multiplies by cp (Megatron's
+                # per-rank partial losses); ours is already the micro-batch's share of the step and
+                # each cp rank's gradient covers only its chunks: undo the division, keep the cp factor
+                return loss * n, {"loss": float(loss.detach()), **{k: float(v) for k, v in m.items()}, "rows": b["n"]}
+
+            return out, head
+
+        fb = get_forward_backward_func(pp_size=self.p.pp)
+        t = max(b["ids"].shape[1] for b in batches)
+        got = fb(forward_step_func=step, data_iterator=iter(batches), model=[self.model], num_microbatches=n,
+                 seq_length=t, micro_batch_size=batches[0]["ids"].shape[0], forward_only=forward_only,
+                 pg_collection=self.pgs, p2p_communicator=P2PCommunicator(self.pgs.pp, self.tcfg))
+        if self.p.pp > 1:
+            box = [got if self.last else None]
+            last = self.ranks[next(g for g in mesh_groups(self.p)["pp"] if self.me in g)[-1]]
+            dist.broadcast_object_list(box, src=last, group=self.pgs.pp)
+            got = box[0]
+        return got
+
+    def _chunks(self, input_ids: torch.Tensor, mbs: int):
+        n = input_ids.shape[0]
+        for a in range(0, n, mbs):
+            rows = slice(a, min(a + mbs, n))
+            b = self._batch(input_ids[rows])
+            b["rows"], b["n"] = rows, rows.stop - rows.start
+            yield b
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        mbs = getattr(self.train_cfg, "micro_batch_size", 1) or 1
+        got = self._run(list(self._chunks(input_ids, mbs)), forward_only=True)
+        return torch.cat([g["lp"] for g in got])
+
+    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn: LossFn,
+                   micro_batch_size: int) -> Dict[str, float]:
+        assert self.optimizer is not None, "inference-only backend has no optimizer"
+        self.model.train()
+        lr = lr_at(self.step_count, self.train_cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        n = input_ids.shape[0]
+        mbs = n if not micro_batch_size or micro_batch_size >= n else micro_batch_size
+        got = self._run(list(self._chunks(input_ids, mbs)), forward_only=False, loss_fn=loss_fn)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("megatron optimizer step skipped (inf/nan gradients)")
+        self.step_count += 1
+        metrics: Dict[str, float] = {}
+        for g in got:
+            for k, v in g.items():
+                if k not in ("loss", "rows"):
+                    metrics[k] = metrics.get(k, 0.0) + v * g["rows"] / n
+        return {**metrics, "loss": sum(g["loss"] for g in got), "lr": lr, "grad_norm": float(grad_norm or 0.0),
+                "micro_batches": len(got)}
+
+    @torch.no_grad()
+    def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
+               pad_id: int) -> torch.Tensor:
+        """Row by row (left padding stripped, so no padding mask is needed), one full forward
+        per new token: a teacher's accuracy check, not a serving path."""
+        outs = []
+        for row, mask in zip(input_ids, attention_mask):
+            seq = row[mask.bool()].tolist()
+            new = []
+            for _ in range(max_new_tokens):
+                lp_all = self._next_token(torch.tensor([seq + new]))
+                new.append(lp_all)
+                if lp_all == eos_id:
+                    break
+            outs.append(new + [pad_id] * (max_new_tokens - len(new)))
+        return torch.tensor(outs, dtype=torch.long)
+
+    def _next_token(self, ids: torch.Tensor) -> int:
+        """Greedy next token: vocabulary-parallel argmax on the last stage's last position."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        self.model.eval()
+        b = self._batch(ids)
+        last_pos = ids.shape[1] - 1
+        where = (b["pos"][0] == last_pos).nonzero()
+
+        def step(data, model):
+            bb = next(data)
+            out = model(bb["ids"], bb["pos"], None)
+
+            def head(output):
+                if not self.last:
+                    return output, {}
+                best = torch.tensor([-float("inf"), -1.0], device=output.device)
+                if len(where):
+                    row = output[0, where[0, 0]].float()
+                    real = self.dims.vocab - self.c.tp * output.shape[-1]  # rows past it are padding
+                    row[max(real, 0):] = float("-inf")
+                    v, i = row.max(-1)
+                    best = torch.stack([v, (i + self.c.tp * output.shape[-1]).float()])
+                cands = [torch.empty_like(best) for _ in range(self.p.tp * self.p.cp)]
+                dist.all_gather(cands, best, group=self.pgs.tp_cp)
+                top = max(cands, key=lambda c: float(c[0]))
+                return output.new_zeros(()), {"tok": int(top[1])}
+
+            return out, head
+
+        got = get_forward_backward_func(pp_size=self.p.pp)(
+            forward_step_func=step, data_iterator=iter([b]), model=[self.model], num_microbatches=1,
+            seq_length=b["ids"].shape[1], micro_batch_size=1, forward_only=True, pg_collection=self.pgs,
+            p2p_communicator=P2PCommunicator(self.pgs.pp, self.tcfg))
+        box = [got[0]["tok"] if self.last else None]
+        if self.p.pp > 1:
+            last = self.ranks[next(g for g in mesh_groups(self.p)["pp"] if self.me in g)[-1]]
+            dist.broadcast_object_list(box, src=last, group=self.pgs.pp)
+        return box[0]
+
+    # -------------------------------------------------------------------- weights out
+    def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        return dict(self.hf_specs)
+
+    def refit_source_layout(self, specs):
+        """The trainer ranks' boxes for the refit planner (Megatron's sharding, HF names)."""
+        return megatron_layout(specs, self.dims, self.style, self.p)
+
+    def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
+        state = {k: v for k, v in self.core.state_dict().items() if isinstance(v, torch.Tensor)}
+        out = local_hf_shards(state, self.dims, self.style, self.p, self.me)
+        if dtype is not None:
+            out = {k: (s, t.to(dtype)) for k, (s, t) in out.items()}
+        return {k: (s, t.detach()) for k, (s, t) in out.items()}
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every HF weight, whole, on CPU, on every rank (a gather of all ranks' boxes)."""
+        mine = {k: (s, t.cpu()) for k, (s, t) in self.local_shards().items()}
+        everyone: List[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(everyone, mine, group=self.pgs_world())
+        out = {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in self.hf_specs.items()}
+        for boxes in everyone:
+            for n, (s, t) in boxes.items():
+                out[n][tuple(slice(a, a + k) for a, k in zip(s, t.shape))] = t.to(out[n].dtype)
+        return out
+
+    def pgs_world(self):
+        if not hasattr(self, "_world_group"):
+            self._world_group = dist.new_group(self.ranks, use_local_synchronization=True)
+        return self._world_group
+
+    # -------------------------------------------------------- checkpoints (hpc_rl/ckpt)
+    def _mp_key(self, name: str) -> str:
+        """A key shared by the replicas of a tensor (DCP writes one copy of each key)."""
+        c = self.c
+        if ".experts." in name:
+            return f"model/etp{c.etp}.ep{c.ep}.pp{c.pp}/{name}"
+        return f"model/tp{c.tp}.pp{c.pp}/{name}"
+
+    def dcp_state(self, with_optimizer: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """(model, optimizer) state for torch.distributed.checkpoint, keyed so that every
+        rank's local tensors are distinct entries: Megatron's parameters are plain local
+        tensors (no DTensors), so a resume needs the same mesh (the model fingerprint's local
+        shapes and the keys say so)."""
+        model = {self._mp_key(k): v for k, v in self.core.state_dict().items() if isinstance(v, torch.Tensor)}
+        optim: Dict[str, Any] = {}
+        if with_optimizer and self.optimizer is not None:
+            # per rank: its shard of the distributed optimizer's state, under its mesh rank
+            optim = {f"rank{self.me}": {"param_state": self.optimizer.get_parameter_state_dp_reshardable(),
+                                        "common": self.optimizer.state_dict()}}
+        return model, optim
+
+    def load_dcp_state(self, model: Dict[str, Any], optim: Dict[str, Any]) -> None:
+        local = {k.split("/", 2)[2]: v for k, v in model.items()}
+        self.core.load_state_dict(local, strict=False)
+        if optim and self.optimizer is not None:
+            mine = optim[f"rank{self.me}"]
+            self.optimizer.load_state_dict(mine["common"])
+            self.optimizer.load_parameter_state_from_dp_reshardable(mine["param_state"])

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# GPU check of the Megatron backend (issue #16) on one GPU: a tiny Llama built here, the
+# backend's bf16 log-probs against the Hugging Face model's, one train step, then a refit
+# into a vLLM engine on the same GPU with token_mult_prob_error <= 1.01 (bf16).
+# Needs the `gpu` extra (megatron-core, vLLM CUDA; Transformer Engine optional: without it
+# megatron-core's local layer specs are used). Fits in about 5 minutes on one H200.
+# Writes bench/results/megatron_gpu.json. Run from anywhere:  bash tests/gpu/megatron_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python -W ignore -c "import torch, megatron.core, vllm; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'vllm', vllm.__version__)"
+python -W ignore -c "import transformer_engine; print('transformer-engine', transformer_engine.__version__)" || echo "transformer-engine: not installed (local layer specs)"
+timeout 540 python -m hpc_rl.models.megatron.gpu_check --out bench/results/megatron_gpu.json

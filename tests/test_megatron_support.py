@@ -1,0 +1,87 @@
+"""trainer.backend=megatron selection (issue #16): accepted on GPU clusters with the
+flagship's parallel layout, refused on CPU clusters with the reason and the fix, never a
+silent fallback to FSDP2; the architectures the rules name are the ones the mapping has."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_rl.config import ConfigError, load_config
+from hpc_rl.config.support import MEGATRON_ARCHITECTURES, unsupported
+from hpc_rl.config.validate import validate
+from hpc_rl.models.megatron.hf_mapping import ARCHITECTURES
+from hpc_rl.models.registry import available
+
+ULTRA = ["+recipe=ultra_mopd"]
+
+
+def _errors(overrides):
+    """load_config validates: the violations it raises (empty: the config is valid)."""
+    try:
+        validate(load_config(overrides))
+    except ConfigError as e:
+        return e.violations
+    return []
+
+
+@pytest.mark.parametrize("cluster", ["gb200_nvl72", "h100"])
+def test_megatron_is_accepted_on_gpu_clusters_with_the_flagship_layout(cluster):
+    extra = ["trainer.nodes=32"] if cluster == "h100" else []
+    assert _errors(ULTRA + [f"cluster={cluster}"] + extra) == []
+    cfg = load_config(ULTRA + [f"cluster={cluster}"] + extra)
+    assert cfg.trainer.backend == "megatron"
+    keys = {v.key for v in unsupported(cfg)}
+    assert not {k for k in keys if k.startswith(("trainer.", "teachers."))}, keys
+    # a llama checkpoint would leave nothing about the model or the trainer refused
+    cfg = load_config(ULTRA + [f"cluster={cluster}", "model.architecture=qwen3_moe"] + extra)
+    assert "model.architecture" not in {v.key for v in unsupported(cfg)}
+
+
+@pytest.mark.parametrize("cluster", ["local", "local_slurm"])
+def test_megatron_is_refused_on_cpu_clusters_naming_why_and_the_fix(cluster):
+    errors = _errors(ULTRA + [f"cluster={cluster}"])
+    found = [v for v in errors if v.key == "trainer.backend"]
+    assert found, [v.render() for v in errors]
+    assert "needs CUDA" in found[0].problem and "trainer.backend=fsdp2" in found[0].fix and "gb200_nvl72" in found[0].fix
+
+
+def test_the_dry_run_renders_the_flagship_with_megatron(tmp_path):
+    from hpc_rl.launch import main
+
+    rc = main(ULTRA + [f"run.dir={tmp_path / 'run'}", f"launcher.plan_out={tmp_path / 'plan.json'}"])
+    assert rc == 0 and (tmp_path / "plan.json").exists()
+
+
+def test_the_local_launch_refuses_megatron_before_anything_starts(tmp_path):
+    from hpc_rl.launch import main
+
+    rc = main(["+recipe=tiny_mopd", "launcher=local", "trainer.backend=megatron", f"run.dir={tmp_path / 'run'}"])
+    assert rc == 2 and not (tmp_path / "run").exists()
+
+
+def test_fsdp2_refusals_come_back_when_the_backend_is_fsdp2():
+    keys = {v.key for v in unsupported(load_config(ULTRA + ["trainer.backend=fsdp2"]))}
+    assert {"trainer.parallel.tp", "trainer.parallel.cp", "trainer.parallel.ep", "trainer.sequence_parallel",
+            "teachers.swe.parallel.ep"} <= keys
+
+
+def test_nemotron_h_is_refused_on_megatron_with_what_is_missing():
+    v = [v for v in unsupported(load_config(ULTRA)) if v.key == "model.architecture"]
+    assert v and "Mamba" in v[0].problem and "qwen3_moe" in v[0].fix
+
+
+def test_the_rules_and_the_registry_agree_with_the_mapping():
+    assert set(MEGATRON_ARCHITECTURES) == set(ARCHITECTURES)
+    assert "megatron" in available()
+
+
+def test_the_gpu_check_says_it_did_not_run_without_cuda(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "megatron_gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.models.megatron.gpu_check", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    doc = json.loads(out.read_text())
+    assert proc.returncode == 3 and doc["ran"] is False and "CUDA" in doc["why"]
