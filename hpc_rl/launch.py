@@ -44,8 +44,11 @@ examples:
   python -m hpc_rl.launch +recipe=ultra_mopd
   python -m hpc_rl.launch +recipe=ultra_mopd cluster=h100 trainer.nodes=32
   python -m hpc_rl.launch +recipe=ultra_mopd launcher.plan_out=plan.json
+  python -m hpc_rl.launch +pipeline=ultra                 # every stage of a pipeline, checked and planned
+  python -m hpc_rl.launch +pipeline=tiny_pipeline --wait  # stages as dependent Slurm jobs (hpc_rl/pipeline)
 """
 FLAGS = ("--show-config", BATCH_PLAN_FLAG)
+PIPELINE_SELECT = "+pipeline="
 
 
 def usage() -> str:
@@ -86,6 +89,10 @@ def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith(PIPELINE_SELECT) for a in args):  # a pipeline: every stage a job (hpc_rl/pipeline)
+        from hpc_rl.pipeline.cli import launch as launch_pipeline
+
+        return launch_pipeline(args)
     if any(a in ("-h", "--help") for a in args):
         print(usage())
         return 0
