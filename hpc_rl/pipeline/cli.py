@@ -33,6 +33,11 @@ def _flag_value(args: List[str], flag: str) -> Optional[str]:
     return None
 
 
+def default_out(name: str) -> str:
+    """Where `render` writes a pipeline's scripts: sbatch/ultra_pipeline, sbatch/tiny_pipeline."""
+    return f"sbatch/{name if name.endswith('pipeline') else name + '_pipeline'}"
+
+
 def _pipeline_dir(spec, cli) -> Path:
     return Path(cli.dir or spec.dir).resolve()
 
@@ -63,7 +68,14 @@ def launch(args: List[str]) -> int:
         if any(c.cfg is not None and c.cfg.launcher.name == "dry_run" for c in checks):
             print(f"pipeline {spec.name}: {len(checks)} stages checked (launcher=dry_run: nothing submitted)")
             print(plan_table(spec, checks))
-            print(f"  hand submission: python -m hpc_rl.pipeline render {spec.name} --out sbatch/{spec.name}")
+            from hpc_rl.config.support import unsupported
+
+            for c in checks:  # as the dry run of one recipe lists them: launcher=slurm would refuse these
+                cannot = unsupported(c.cfg) if c.cfg is not None else []
+                if cannot:
+                    print(f"  {c.name}: {len(cannot)} settings this version cannot run yet ({', '.join(v.key for v in cannot[:3])}"
+                          f"{', ...' if len(cannot) > 3 else ''}); launcher=slurm refuses them")
+            print(f"  hand submission: python -m hpc_rl.pipeline render {spec.name} --out {default_out(spec.name)}")
             return 0
         print(f"pipeline {spec.name}: {len(checks)} stages checked; submitting into {pdir}")
         rec = run(spec, cli, pdir, ["+pipeline=" + spec.name, *args])
@@ -125,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             spec = load_spec(rest[0])
             pdir = Path(cli.dir or spec.dir)
             files = render_files(spec, cli, pdir)
-            out_dir = Path(out or f"sbatch/{spec.name}")
+            out_dir = Path(out or default_out(spec.name))
             for p in write_files(files, out_dir):
                 print(f"wrote {p}")
             if plan_out:
