@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -164,7 +165,7 @@ def test_status_command_prints_the_dag(tmp_path):
     rec = _record(tmp_path)
     rec.stages["rlvr"] = StageRecord(**{**rec.stages["rlvr"].__dict__, "job_id": "990001"})
     rec.save()
-    out = subprocess.run(["python", "-m", "hpc_rl.pipeline", "status", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "hpc_rl.pipeline", "status", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     for name in ("rlvr", "teacher_add", "teacher_mul", "mopd"):
         assert name in out.stdout
@@ -191,10 +192,10 @@ def test_ultra_pipeline_validates_on_gb200_and_its_plan_and_scripts_match_golden
 
 
 def test_launch_plans_the_ultra_pipeline_listing_every_stage():
-    out = subprocess.run(["python", "-m", "hpc_rl.launch", "+pipeline=ultra"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+pipeline=ultra"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "7 stages checked" in out.stdout and "nothing submitted" in out.stdout
-    bad = subprocess.run(["python", "-m", "hpc_rl.launch", "+pipeline=ultra", "stages.mopd.trainer.parallel.tp=3",
+    bad = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+pipeline=ultra", "stages.mopd.trainer.parallel.tp=3",
                           "stages.teacher_swe.generator.nodes=63"], capture_output=True, text=True)
     assert bad.returncode == 2 and "nothing was submitted" in bad.stderr
     assert "stages.mopd.trainer" in bad.stderr and "stages.teacher_swe.generator" in bad.stderr
