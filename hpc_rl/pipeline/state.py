@@ -98,7 +98,8 @@ def slurm_states(job_ids: List[str]) -> Dict[str, tuple]:
         if proc.returncode == 0 and proc.stdout.strip():
             for line in proc.stdout.splitlines():
                 parts = (line.split("|") + ["", ""])[:3]
-                rows.setdefault(parts[0].split("+")[0], []).append((parts[1], parts[2]))
+                if parts[0].split("+")[0].isdigit():
+                    rows.setdefault(parts[0].split("+")[0], []).append((parts[1], parts[2]))
         if not rows:
             proc = subprocess.run(["squeue", "-t", "all", "-h", "-o", "%i|%T|%r", "-j", ",".join(ids)],
                                   capture_output=True, text=True, timeout=30)
