@@ -43,6 +43,7 @@ bench: setup cluster-up
 	$(PY) bench/faults.py
 	$(PY) bench/refit.py
 	$(PY) bench/exchange.py
+	$(PY) bench/pipeline.py
 
 cluster-up:
 	bash launchers/local_slurm.sh up
