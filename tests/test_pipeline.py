@@ -199,3 +199,21 @@ def test_launch_plans_the_ultra_pipeline_listing_every_stage():
                           "stages.teacher_swe.generator.nodes=63"], capture_output=True, text=True)
     assert bad.returncode == 2 and "nothing was submitted" in bad.stderr
     assert "stages.mopd.trainer" in bad.stderr and "stages.teacher_swe.generator" in bad.stderr
+
+
+def test_no_pipeline_module_imports_the_cli():
+    """launch.py hands +pipeline= to hpc_rl.pipeline; an import back (even inside a function) is a circle."""
+    import ast
+    from pathlib import Path
+
+    import hpc_rl.pipeline
+
+    for path in Path(hpc_rl.pipeline.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert "hpc_rl.launch" not in names, f"{path.name} imports hpc_rl.launch"

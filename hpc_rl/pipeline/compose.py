@@ -116,7 +116,7 @@ def check_all(spec: PipelineSpec, cli: CommandLine, pdir: Path, launcher_checks:
     """Compose and check every stage; raise one ConfigError listing every violation of every
     stage. `launcher_checks`: run what `python -m hpc_rl.launch` runs before it submits
     (models, data, support rules, the live cluster) for launchers that start ranks."""
-    from hpc_rl.launch import check_runnable
+    from hpc_rl.launchers.runnable import check_runnable
     from hpc_rl.launchers.base import LAUNCHERS
     from hpc_rl.plan import build_plan
 
