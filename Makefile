@@ -43,6 +43,7 @@ bench: setup cluster-up
 	$(PY) bench/faults.py
 	$(PY) bench/refit.py
 	$(PY) bench/exchange.py
+	$(PY) bench/pipeline.py
 
 # The local cluster runs Slurm accounting (MariaDB + slurmdbd, installed by apt on a fresh
 # machine) unless ACCOUNTING=0: `make test ACCOUNTING=0` keeps the path without it tested.

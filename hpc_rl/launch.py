@@ -15,18 +15,16 @@ to ask.
 from __future__ import annotations
 
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from hpc_rl.config import ConfigError, load_config, to_yaml
 from hpc_rl.config.compose import available
-from hpc_rl.config.errors import Violation
-from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.trace import write_launch_reads
 from hpc_rl.launchers.base import LAUNCHERS
+from hpc_rl.launchers.runnable import check_runnable
 from hpc_rl.plan import build_plan
 from hpc_rl.plan.report import describe
 from hpc_rl.rundir import RunDir
-from hpc_rl.runtime import programs
 from hpc_rl.slurm.sbatch import BATCH_PLAN_FLAG
 
 USAGE = """usage: python -m hpc_rl.launch +recipe=NAME [cluster=NAME] [launcher=NAME] [key=value ...]
@@ -44,8 +42,11 @@ examples:
   python -m hpc_rl.launch +recipe=ultra_mopd
   python -m hpc_rl.launch +recipe=ultra_mopd cluster=h100 trainer.nodes=32
   python -m hpc_rl.launch +recipe=ultra_mopd launcher.plan_out=plan.json
+  python -m hpc_rl.launch +pipeline=ultra                 # every stage of a pipeline, checked and planned
+  python -m hpc_rl.launch +pipeline=tiny_pipeline --wait  # stages as dependent Slurm jobs (hpc_rl/pipeline)
 """
 FLAGS = ("--show-config", BATCH_PLAN_FLAG)
+PIPELINE_SELECT = "+pipeline="
 
 
 def usage() -> str:
@@ -53,39 +54,12 @@ def usage() -> str:
                         launchers=", ".join(available("launcher")), batch_plan=BATCH_PLAN_FLAG)
 
 
-def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
-    """What a rank could not honour, refused before anything is written: a run.program with
-    no role loops; for the RL program, the settings this version cannot run
-    (config/support.py) and its models, data and routing (rl/inputs.py, which resolves model
-    references in the returned config). Raises one ConfigError listing every problem;
-    returns the config and the RL dataset (None for other programs).
-
-    The support rules guard what the RL loop would silently ignore (backend, parallel sizes
-    it cannot build, async rollouts); run.program=comm_check reads only the layout, and
-    checking the wiring of a recipe this version cannot train yet (the flagship's) is what
-    it is for, so it is not refused for them."""
-    found: List[Violation] = []
-    if cfg.run.program not in programs.available():
-        found.append(Violation("run.program", cfg.run.program,
-                               f"this version has no role loops for it (available: {programs.available()})",
-                               "run.program=comm_check checks this job's wiring; launcher=dry_run shows its plan"))
-    dataset = None
-    if cfg.run.program == "rl":
-        from hpc_rl.config.support import unsupported
-        from hpc_rl.rl.inputs import check_inputs
-
-        found += unsupported(cfg)
-        try:
-            cfg, dataset = check_inputs(cfg)
-        except ConfigError as err:
-            found += err.violations
-    if found:
-        raise ConfigError(found)
-    return cfg, dataset
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith(PIPELINE_SELECT) for a in args):  # a pipeline: every stage a job (hpc_rl/pipeline)
+        from hpc_rl.pipeline.cli import launch as launch_pipeline
+
+        return launch_pipeline(args)
     if any(a in ("-h", "--help") for a in args):
         print(usage())
         return 0

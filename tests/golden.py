@@ -47,9 +47,33 @@ def render_plan(recipe: str, cluster: str) -> str:
     return build_plan(load_config([f"+recipe={recipe}", f"cluster={cluster}"])).to_json()
 
 
+# The pipelines whose stage scripts (sbatch/<dir>/) and plan (each stage's nodes and parallel
+# layout) ship: (pipeline, cluster, directory under sbatch/).
+PIPELINE_CASES = [("ultra", "gb200_nvl72", "ultra_pipeline")]
+
+
+def pipeline_plan_path(pipeline: str, cluster: str) -> Path:
+    return GOLDEN_DIR / f"{pipeline}_pipeline.{cluster}.plan.json"
+
+
+def render_pipeline(pipeline: str, cluster: str, out_dir: str) -> Dict[Path, str]:
+    from hpc_rl.pipeline.compose import check_all
+    from hpc_rl.pipeline.render import plan_doc, render_files
+    from hpc_rl.pipeline.spec import load_spec, split_args
+
+    spec = load_spec(pipeline)
+    cli = split_args([f"cluster={cluster}"])
+    pdir = Path(spec.dir)
+    out = {SBATCH_DIR / out_dir / name: text for name, text in render_files(spec, cli, pdir).items()}
+    out[pipeline_plan_path(pipeline, cluster)] = plan_doc(spec, check_all(spec, cli, pdir, launcher_checks=False))
+    return out
+
+
 def rendered() -> Dict[Path, str]:
     out = {plan_path(r, c): render_plan(r, c) for r, c in PLAN_CASES}
     out.update({sbatch_path(r, c, ct): render_sbatch(r, c, ct) for r, c, ct in SBATCH_CASES})
+    for case in PIPELINE_CASES:
+        out.update(render_pipeline(*case))
     return out
 
 

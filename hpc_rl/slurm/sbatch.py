@@ -110,7 +110,9 @@ def header_options(cfg: RunConfig, run_dir: Optional[str]) -> List[str]:
     if sl.signal_grace_s > 0:
         opts.append(f"--signal=B:USR1@{sl.signal_grace_s}")
     if sl.dependency:
-        opts.append(f"--dependency={sl.dependency}")
+        # A dependency that can never be met (an upstream job failed) cancels this job instead
+        # of leaving it pending forever (pipelines chain stages with afterok, hpc_rl/pipeline).
+        opts += [f"--dependency={sl.dependency}", "--kill-on-invalid-dep=yes"]
     return opts
 
 
