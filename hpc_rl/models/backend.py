@@ -65,3 +65,5 @@ class BackendSpec:
     device: str
     group: Any  # the role's process group
     train: Any = None  # hpc_rl.config.schema.TrainerConfig, or None for inference only
+    parallel: Any = None  # the role's parallel sizes {"tp", "cp", "ep", "etp", "dp"} (None: all data parallel)
+    sequence_parallel: bool = False  # tensor parallel shards the norms' tokens (trainer.sequence_parallel)
