@@ -2,7 +2,7 @@
 
 `validate` (validate.py) finds configs that are wrong: always fatal, also for the dry run.
 `unsupported` finds configs that are right but ask for something the runtime of this
-version does not do (Megatron, tensor/context/expert/pipeline parallel training, async
+version does not do (Megatron, context/expert/pipeline parallel training, async
 rollouts, a reference-KL penalty). Real launches (launcher=local|slurm, a hand-submitted
 script) refuse them; the dry run still plans and renders such a recipe (the flagship
 ultra_mopd is one) and lists them with `render_unsupported`.
@@ -65,17 +65,21 @@ _ENV_PRECISION = EnvConfig.precision  # the schema default: env ranks never read
 
 _DIMS = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
          "etp": "expert tensor parallelism", "pp": "pipeline parallelism"}
-_FSDP2 = ("{who}: the fsdp2 backend of this version is 1-D data parallel (each rank holds a shard "
-          "of the whole model); it has no {dim}, so this setting would be ignored")
+# The fsdp2 backend honours tp (DTensor tensor parallel, models/parallel/) for the trainer and
+# the teachers; these it does not have. Context parallel: torch's context_parallel has no CPU
+# sharding strategy for SDPA (NOTES.md), and this version has no K/V exchange of its own.
+_FSDP2_LACKS = {d: n for d, n in _DIMS.items() if d != "tp"}
+_FSDP2 = ("{who}: the fsdp2 backend of this version has data and tensor parallelism (dp, tp) only; "
+          "it has no {dim}, so this setting would be ignored")
 
 
 def _above_one(value: Any) -> bool:
     return value is not None and value > 1
 
 
-def _parallel_rules(section: str, problem: str, fix: str) -> List[Rule]:
+def _parallel_rules(section: str, problem: str, fix: str, dims=None) -> List[Rule]:
     return [Rule(f"{section}.parallel.{dim}", _above_one, problem.format(dim=name), fix, example=2)
-            for dim, name in _DIMS.items()]
+            for dim, name in (dims or _DIMS).items()]
 
 
 RULES: List[Rule] = [
@@ -83,12 +87,11 @@ RULES: List[Rule] = [
          "the Megatron-core backend is not in this version; the trainer would run FSDP2 instead",
          "set trainer.backend=fsdp2", example="megatron"),
     *_parallel_rules("trainer", _FSDP2.replace("{who}", "trainer"),
-                     "set {key}=1 (the data parallel size is derived from the trainer's ranks)"),
-    Rule("trainer.sequence_parallel", bool,
-         "sequence parallelism splits activations over tensor parallel ranks, which the fsdp2 backend "
-         "of this version does not have", "set trainer.sequence_parallel=false", example=True),
+                     "set {key}=1 (trainer.parallel.tp splits the model; dp is derived from the trainer's ranks)",
+                     _FSDP2_LACKS),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
-                     "set {key}=1 (the data parallel size is derived from the teacher group's ranks)"),
+                     "set {key}=1 (parallel.tp splits the teacher; dp is derived from the teacher group's ranks)",
+                     _FSDP2_LACKS),
     *_parallel_rules("generator",
                      "the RL program runs one vLLM engine per generator rank; an engine spanning several "
                      "ranks ({dim}) cannot be launched yet",

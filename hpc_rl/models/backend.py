@@ -54,6 +54,13 @@ class TrainingBackend(Protocol):
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every weight, whole, on CPU (a collective of the backend's ranks)."""
 
+    def dp_rank_of(self, role_rank: int) -> int:
+        """The data-parallel rank (the rows' share) of a rank of the backend's group."""
+
+    def source_layout(self, dtype_name: str) -> Any:
+        """The refit source Layout (hpc_rl.refit.layout) of the group, group ranks as layout
+        ranks, from every rank's live shards (a collective of the backend's ranks)."""
+
 
 @dataclass(frozen=True)
 class BackendSpec:
@@ -67,3 +74,8 @@ class BackendSpec:
     train: Any = None  # hpc_rl.config.schema.TrainerConfig, or None for inference only
     parallel: Any = None  # the role's parallel sizes {"tp", "cp", "ep", "etp", "dp"} (None: all data parallel)
     sequence_parallel: bool = False  # tensor parallel shards the norms' tokens (trainer.sequence_parallel)
+
+
+def parallel_sizes(p: Any) -> Dict[str, Any]:
+    """A role's `parallel` config section -> the sizes a backend builds its mesh from."""
+    return {"tp": p.tp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "dp": p.dp}

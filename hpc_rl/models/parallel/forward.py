@@ -52,7 +52,7 @@ def tp_greedy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_
     over the sharded vocabulary: each rank's best, then the best of those."""
     ids, mask = input_ids, attention_mask
     b = ids.shape[0]
-    done = torch.zeros(b, dtype=torch.bool)
+    done = torch.zeros(b, dtype=torch.bool, device=ids.device)
     out = []
     for _ in range(max_new_tokens):
         n = ids.shape[1]
@@ -61,11 +61,11 @@ def tp_greedy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_
         local, start, group = local_logits(model, pids, pmask, positions)
         last = local[:, n - 1].float()
         best, arg = last.max(-1)
-        pairs = [torch.empty(2, b) for _ in range(dist.get_world_size(group))]
+        pairs = [torch.empty(2, b, device=last.device) for _ in range(dist.get_world_size(group))]  # NCCL: on the GPU
         dist.all_gather(pairs, torch.stack([best, (arg + start).float()]), group=group)
         stacked = torch.stack(pairs)  # [tp, 2, B]; ties go to the lowest vocabulary slice, as argmax does
         winner = stacked[:, 0].argmax(0)
-        nxt = stacked[winner, 1, torch.arange(b)].long()
+        nxt = stacked[winner, 1, torch.arange(b, device=last.device)].long()
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out.append(nxt)
         done |= nxt == eos_id
