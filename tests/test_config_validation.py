@@ -125,9 +125,10 @@ TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
 UNSUPPORTED = [
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.tp=2"], "generator.parallel.tp", "more generator ranks give more engines"),
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "one vLLM engine per generator rank"),
-    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.cp=2"], "trainer.parallel.cp", "no context parallelism"),
+    (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
+     "not both in one model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "no expert parallelism"),
-    (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.cp=2"], "teachers.add.parallel.cp", "inference only"),
+    (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
     (TINY + ["algo.async_rollout.enabled=true"], "algo.async_rollout.enabled", "lock-step"),
     (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
@@ -157,7 +158,7 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     cfg = load_config(ULTRA)
     assert build_plan(cfg).total_nodes == 224
     keys = {v.key for v in unsupported(cfg)}
-    assert {"trainer.backend", "trainer.parallel.cp", "trainer.parallel.ep",
+    assert {"trainer.backend", "trainer.parallel.ep",
             "teachers.swe.parallel.ep", "generator.parallel.tp",
             "model.architecture", "algo.async_rollout.enabled"} <= keys
     text = render_unsupported(unsupported(cfg))
@@ -165,11 +166,13 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     assert render_unsupported([]) == ""
 
 
-def test_tensor_and_sequence_parallel_are_honoured_not_refused():
+def test_tensor_context_and_sequence_parallel_are_honoured_not_refused():
     # the fsdp2 backend splits the trainer and the teachers with DTensor TP (models/parallel/)
     cfg = load_config(TINY + ["trainer.tasks_per_node=2", "trainer.parallel.tp=2", "trainer.sequence_parallel=true",
                               "+teachers.add.tasks_per_node=2", "+teachers.add.parallel.tp=2"])
     assert unsupported(cfg) == []
+    # context parallel too (its own K/V all-gather), on its own
+    assert unsupported(load_config(TINY + ["trainer.tasks_per_node=2", "trainer.parallel.cp=2"])) == []
     keys = {v.key for v in unsupported(load_config(ULTRA))}
     assert "trainer.parallel.tp" not in keys and "trainer.sequence_parallel" not in keys
 

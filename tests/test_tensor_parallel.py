@@ -51,11 +51,11 @@ def _prompts():
     return ids, (ids != 0).long()
 
 
-def _tp_worker(rank: int, world: int, ckpt: str, store: str, out: str, sp: bool, mbs) -> None:
+def _tp_worker(rank: int, world: int, ckpt: str, store: str, out: str, sp: bool, mbs, parallel=None) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         ids, attn = _batch()
-        b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel={"tp": 2}, sequence_parallel=sp)
+        b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel=parallel or {"tp": 2}, sequence_parallel=sp)
         before = b.logprobs(ids, attn)
         metrics = b.train_step(ids, attn, _loss(attn), micro_batch_size=mbs)
         state = b.full_state_dict()
@@ -70,11 +70,11 @@ def _tp_worker(rank: int, world: int, ckpt: str, store: str, out: str, sp: bool,
         dist.destroy_process_group()
 
 
-def _run_tp(tmp_path, ckpt, sp, mbs=None):
+def _run_tp(tmp_path, ckpt, sp, mbs=None, world=2, parallel=None):
     out = str(tmp_path / f"tp{int(sp)}")
-    mp.start_processes(_tp_worker, args=(2, str(ckpt), str(tmp_path / f"store{int(sp)}"), out, sp, mbs), nprocs=2,
-                       join=True, start_method="spawn")
-    return [torch.load(f"{out}.{r}") for r in range(2)]
+    mp.start_processes(_tp_worker, args=(world, str(ckpt), str(tmp_path / f"store{int(sp)}"), out, sp, mbs, parallel),
+                       nprocs=world, join=True, start_method="spawn")
+    return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,39 @@ def test_tp2_equals_dp_only_logprobs_and_step(tiny_ckpt, reference, tmp_path, sp
     assert lay == ranks[1]["layout"]
     pieces = lay["model.layers.1.mlp.down_proj.weight"]["pieces"]
     assert pieces == [[0, [0, 0], [32, 32]], [1, [0, 32], [32, 64]]]
+
+
+@pytest.mark.slow
+def test_fsdp2_dp2_by_tp2_over_four_ranks_equals_dp_only(tiny_ckpt, reference, tmp_path):
+    """2-D: FSDP2 over dp=2 on top of tp=2. Every rank is given the whole batch (FSDP2
+    averages the dp ranks' gradients, so the step equals the one-process step on it)."""
+    ranks = _run_tp(tmp_path, tiny_ckpt, True, world=4)
+    assert [g["dp"] for g in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # tp innermost: ranks 0,1 share rows
+    for got in ranks:
+        assert torch.allclose(got["before"], reference["before"], atol=1e-5, rtol=0)
+        assert got["metrics"]["grad_norm"] == pytest.approx(reference["metrics"]["grad_norm"], rel=1e-4)
+    for name, tensor in reference["state"].items():
+        assert torch.allclose(ranks[0]["state"][name], tensor, atol=1e-5, rtol=0), name
+    # rank 3 (dp 1, tp 1): the second half (dp) of q_proj's second half (tp): rows 24..31
+    q = ranks[3]["shards"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q[0] == (24, 0) and tuple(q[1].shape) == (8, 32)
+    lay = ranks[0]["layout"]["model.layers.0.self_attn.o_proj.weight"]["pieces"]
+    assert sorted(lay) == [[0, [0, 0], [16, 16]], [1, [0, 16], [16, 32]], [2, [16, 0], [32, 16]], [3, [16, 16], [32, 32]]]
+
+
+@pytest.mark.slow
+def test_context_parallel_2_equals_dp_only(tiny_ckpt, reference, tmp_path):
+    """cp=2: each rank its half of the tokens (11 -> padded to 12), K/V all-gathered in the
+    attention, log-probs gathered; FSDP2 over the two cp ranks averages their gradients."""
+    ranks = _run_tp(tmp_path, tiny_ckpt, False, mbs=2, parallel={"cp": 2})
+    for got in ranks:
+        assert got["dp"] == (0, 1)  # both cp ranks score the same rows
+        assert torch.allclose(got["before"], reference["before"], atol=1e-5, rtol=0)
+        assert got["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], rel=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(reference["metrics"]["grad_norm"], rel=1e-4)
+        assert torch.equal(got["greedy"], reference["greedy"])  # generation runs whole on each rank
+    for name, tensor in reference["state"].items():
+        assert torch.allclose(ranks[0]["state"][name], tensor, atol=1e-5, rtol=0), name
 
 
 def _untrained(ckpt):

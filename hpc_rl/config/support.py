@@ -65,12 +65,12 @@ _ENV_PRECISION = EnvConfig.precision  # the schema default: env ranks never read
 
 _DIMS = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
          "etp": "expert tensor parallelism", "pp": "pipeline parallelism"}
-# The fsdp2 backend honours tp (DTensor tensor parallel, models/parallel/) for the trainer and
-# the teachers; these it does not have. Context parallel: torch's context_parallel has no CPU
-# sharding strategy for SDPA (NOTES.md), and this version has no K/V exchange of its own.
-_FSDP2_LACKS = {d: n for d, n in _DIMS.items() if d != "tp"}
-_FSDP2 = ("{who}: the fsdp2 backend of this version has data and tensor parallelism (dp, tp) only; "
-          "it has no {dim}, so this setting would be ignored")
+# The fsdp2 backend honours tp (DTensor tensor parallel) and cp (its own K/V all-gather: torch's
+# context_parallel has no CPU path) for the trainer and the teachers (models/parallel/); these
+# it does not have. tp with cp together: refused by `_parallel_combinations`.
+_FSDP2_LACKS = {d: n for d, n in _DIMS.items() if d not in ("tp", "cp")}
+_FSDP2 = ("{who}: the fsdp2 backend of this version has data, tensor and context parallelism (dp, tp, cp) "
+          "only; it has no {dim}, so this setting would be ignored")
 
 
 def _above_one(value: Any) -> bool:
@@ -87,10 +87,10 @@ RULES: List[Rule] = [
          "the Megatron-core backend is not in this version; the trainer would run FSDP2 instead",
          "set trainer.backend=fsdp2", example="megatron"),
     *_parallel_rules("trainer", _FSDP2.replace("{who}", "trainer"),
-                     "set {key}=1 (trainer.parallel.tp splits the model; dp is derived from the trainer's ranks)",
+                     "set {key}=1 (trainer.parallel.tp/cp split the model/sequence; dp is derived from the trainer's ranks)",
                      _FSDP2_LACKS),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
-                     "set {key}=1 (parallel.tp splits the teacher; dp is derived from the teacher group's ranks)",
+                     "set {key}=1 (parallel.tp/cp split the teacher/sequence; dp is derived from the teacher group's ranks)",
                      _FSDP2_LACKS),
     *_parallel_rules("generator",
                      "the RL program runs one vLLM engine per generator rank; an engine spanning several "
@@ -137,9 +137,22 @@ FACTS: List[Fact] = [
 ]
 
 
+def _parallel_combinations(cfg: RunConfig) -> List[Violation]:
+    """Sizes each honoured alone that the fsdp2 backend cannot combine: tensor parallel with
+    context parallel (the cp attention gathers whole-head K/V; it has no TP-sharded heads)."""
+    if cfg.run.program != "rl":
+        return []
+    roles = [("trainer", cfg.trainer)] + [(f"teachers.{a}", t) for a, t in cfg.teachers.items()]
+    return [Violation(f"{key}.parallel.cp", r.parallel.cp,
+                      f"the fsdp2 backend of this version runs context parallel (cp={r.parallel.cp}) or tensor parallel "
+                      f"(tp={r.parallel.tp}), not both in one model",
+                      f"set {key}.parallel.cp=1 or {key}.parallel.tp=1")
+            for key, r in roles if r.parallel.cp > 1 and r.parallel.tp > 1]
+
+
 def unsupported(cfg: RunConfig) -> List[Violation]:
     """Every setting of `cfg` this version of the runtime cannot honour (empty: it can run)."""
-    return [v for rule in RULES for v in rule.check(cfg)]
+    return [v for rule in RULES for v in rule.check(cfg)] + _parallel_combinations(cfg)
 
 
 def refuse_unsupported(cfg: RunConfig) -> None:

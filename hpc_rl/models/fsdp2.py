@@ -114,14 +114,24 @@ class FSDP2Backend:
         self.group = group
         self.dims = parallel_dims(group, parallel)
         self.mesh = None
-        if self.dims.tp > 1:
+        if self.dims.tp > 1 or self.dims.cp > 1:
             from .parallel.mesh import build_mesh
+
+            if self.dims.tp > 1 and self.dims.cp > 1:  # validation refuses it (config/support.py)
+                raise ValueError("tensor parallel with context parallel is not implemented; use one of them")
+            self.mesh = build_mesh(self.dims, group, self.device.type)
+        if self.dims.tp > 1:
             from .parallel.tensor_parallel import parallelize
 
-            self.mesh = build_mesh(self.dims, group, self.device.type)
             parallelize(model, self.mesh["tp"], sequence_parallel)
-        if self.dims.dp > 1:
-            dp_mesh = self.mesh["dp"] if self.mesh is not None else DeviceMesh.from_group(group, device_type=self.device.type)
+        if self.dims.cp > 1:
+            from .parallel.context_parallel import enable
+
+            enable(model)
+        if self.dims.dp * self.dims.cp > 1:
+            # FSDP2 over dp (x tp inside) or, with cp, over the dp x cp ranks: the whole group
+            tp_inside = self.dims.tp > 1
+            dp_mesh = self.mesh["dp"] if tp_inside else DeviceMesh.from_group(group, device_type=self.device.type)
             mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
@@ -141,8 +151,8 @@ class FSDP2Backend:
             model.requires_grad_(False)
 
     def _autocast(self):
-        # Under FSDP2 (dp > 1) its mixed precision policy casts; otherwise autocast does.
-        if self.dims.dp > 1 or self.precision == "fp32":
+        # Under FSDP2 (dp x cp > 1) its mixed precision policy casts; otherwise autocast does.
+        if self.dims.dp * self.dims.cp > 1 or self.precision == "fp32":
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=torch_dtype(self.precision))
 
@@ -159,6 +169,12 @@ class FSDP2Backend:
         return self.dims.coords(role_rank)["dp"]
 
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.dims.cp > 1:  # each rank its 1/cp of the tokens, K/V gathered in the attention
+            from .parallel.context_parallel import cp_token_logprobs
+
+            with self._autocast():
+                return cp_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                         self.mesh["cp"].get_group())
         if self.dims.tp > 1:  # the log-softmax over the sharded vocabulary (no rank holds whole logits)
             from .parallel.forward import tp_token_logprobs
 

@@ -27,9 +27,10 @@ def _pad_to(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int
 def local_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: Optional[torch.Tensor] = None):
     """[B, T, V/tp] logits of this rank's vocabulary slice, the slice's first id, the tp group."""
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
-    logits = model.lm_head(hidden)  # a DTensor, Shard(-1) over the vocabulary
+    # the whole model's forward (not model.model + lm_head): FSDP2's root hooks gather the
+    # embedding, final norm and head when dp > 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits  # a DTensor, Shard(-1) over the vocabulary
     local = logits.to_local()
     mesh = logits.device_mesh
     vocab_start = mesh.get_local_rank() * local.shape[-1]  # even split: validation makes tp divide the vocabulary
