@@ -11,7 +11,10 @@ the live tensors after a backward (gradients) and a step (Adam's two moments), a
 median seconds of `train_step` over the steps after a warm-up one. All layouts train the
 same rows: dp2 ranks take half each, tp ranks all of them.
 
-    python bench/parallel.py [--steps 5] [--out bench/results/parallel.json]
+    python bench/parallel.py [--steps 5] [--out bench/results/parallel.json] [--demo-from RUN_DIR]
+
+--demo-from records a finished tiny_mopd run with the tp=2 student (its summary.json),
+launched as DEMO_COMMAND below, next to the dp-only demo's figures in bench/results/rl.json.
 
 Only parameters, gradients and optimizer state are counted (the issue's measure); FSDP2
 also all-gathers each layer's whole weights during its forward and backward (transient,
@@ -32,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+DEMO_COMMAND = ("python -m hpc_rl.launch +recipe=tiny_mopd trainer.tasks_per_node=2 trainer.parallel.tp=2 "
+                "trainer.sequence_parallel=true run.dir=RUN_DIR")
 LAYOUTS = {"replicated": (1, {}, False), "dp2": (2, {}, False), "tp2_sp": (2, {"tp": 2}, True),
            "tp2": (2, {"tp": 2}, False)}
 
@@ -115,12 +120,26 @@ def run_layout(name: str, ckpt: Path, tmp: Path, steps: int, rows: int, seq: int
             "step_s_all": [max(r["step_s"][i] for r in ranks) for i in range(steps)]}
 
 
+def _demo(run: Path) -> dict:
+    summary = json.loads((run / "summary.json").read_text())
+    out = {"command": DEMO_COMMAND, "steps": summary["steps"], "reverse_kl_start": summary["start"]["reverse_kl"],
+           "reverse_kl_end": summary["end"]["reverse_kl"], "reverse_kl_reduction": summary["reverse_kl_reduction"],
+           "token_mult_prob_error_max": summary["token_mult_prob_error_max"],
+           "seconds_per_step_mean": summary["seconds_per_step_mean"]}
+    rl = ROOT / "bench" / "results" / "rl.json"
+    if rl.exists():  # the dp-only demo, same recipe, for comparison
+        base = json.loads(rl.read_text())["tiny_mopd"]["summary"]
+        out["dp_only_reverse_kl_reduction"] = base.get("reverse_kl_reduction")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "parallel.json"))
+    ap.add_argument("--demo-from", default=None, help="a finished run of DEMO_COMMAND to record")
     args = ap.parse_args()
     from hpc_rl.models.assets import ModelSpec, save_untrained
 
@@ -140,6 +159,8 @@ def main() -> None:
                    "tp2_sp / dp2": tot["tp2_sp"] / tot["dp2"], "dp2 / replicated": tot["dp2"] / tot["replicated"]},
         "goal": "tp=2 <= 0.6 x dp-only per rank at the same world size",
     }
+    if args.demo_from:
+        result["demo_tp2"] = _demo(Path(args.demo_from))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"ratios": result["ratios"], "step_s": {n: r["step_s_median"] for n, r in layouts.items()},
