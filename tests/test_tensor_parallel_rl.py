@@ -51,8 +51,10 @@ def test_tiny_mopd_with_tp2_over_two_trainer_nodes_as_a_het_job(local_slurm, tmp
     from hpc_rl.slurm.executor import job_from_run_dir
 
     run = tmp_path / "run"
+    # six nodes, as the cluster has: tp=2 across the two trainer nodes; the teacher's tp=2
+    # runs its two ranks on one node
     proc = _launch("cluster=local_slurm", "launcher=slurm", "launcher.wait=true", "trainer.nodes=2",
-                   "+teachers.add.nodes=2", "run.max_steps=2", f"run.dir={run}")
+                   "+teachers.add.tasks_per_node=2", "run.max_steps=2", f"run.dir={run}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     roles = [r["role"] for r in job_from_run_dir(run).results()]
     assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/add", "teacher/mul", "env"]
