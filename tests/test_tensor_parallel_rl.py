@@ -1,5 +1,5 @@
-"""tiny_mopd end to end with a tensor-parallel student and teacher: the refit from the tp=2
-trainer's column/row shards into vLLM, the teacher's TP scores and greedy answers, as local
+"""tiny_mopd end to end with a tensor-parallel (or context-parallel) student and teacher: the
+refit from the trainer's shards into vLLM, the teacher's scores and greedy answers, as local
 processes and as a Slurm het job."""
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.sampl
 TP = ["trainer.parallel.tp=2", "trainer.sequence_parallel=true", "+teachers.add.parallel.tp=2"]
 
 
-def _launch(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", *args, *SMALL, *TP],
+CP = ["trainer.parallel.cp=2", "+teachers.add.parallel.cp=2"]
+
+
+def _launch(*args, layout=TP, timeout=900):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", *args, *SMALL, *layout],
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _check(run: Path, steps: int) -> None:
+def _check(run: Path, steps: int, mesh: str = "dp 1 x cp 1 x tp 2", transfers: int = 37) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0)] + [("step", s) for s in range(1, steps + 1)] + [("eval", steps)]
     for r in rows[1:-1]:
@@ -29,20 +32,24 @@ def _check(run: Path, steps: int) -> None:
         assert r["token_mult_prob_error"] <= 1.001
         assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0 and r["micro_batches"] == 4  # 32 rows per rank (dp 1) in pieces of 8
         assert set(r["reverse_kl"]) == {"add", "mul", "mean"}
-    # the tp=2 teacher answers greedily like its dp-only self (tests/test_rl_loop.py: 1.0 each)
+    # the 2-rank teacher answers greedily like its dp-only self (tests/test_rl_loop.py: 1.0 each)
     assert rows[0]["teacher_accuracy"] == {"add_agent": 1.0, "mul_agent": 1.0}
     log = (run / "logs" / "trainer.0.out").read_text()
-    assert "dp 1 x tp 2" in log
-    # each weight's bytes leave one rank: 16 split tensors x 2 ranks + 5 whole norms
-    assert "refit plan: 37 transfers" in log
+    assert mesh in log
+    # each weight's bytes leave one rank: tp=2, 16 split tensors x 2 ranks + 5 whole norms;
+    # cp=2, FSDP2's Shard(0) over both ranks: 21 tensors x 2
+    assert f"refit plan: {transfers} transfers" in log
 
 
 @pytest.mark.slow
-def test_tiny_mopd_with_tp2_student_and_teacher_locally(tmp_path):
+@pytest.mark.parametrize("layout,mesh,transfers", [(TP, "dp 1 x cp 1 x tp 2", 37), (CP, "dp 1 x cp 2 x tp 1", 42)],
+                         ids=["tp2", "cp2"])
+def test_tiny_mopd_with_a_parallel_student_and_teacher_locally(tmp_path, layout, mesh, transfers):
     run = tmp_path / "run"
-    proc = _launch("run.max_steps=2", f"run.dir={run}", "trainer.tasks_per_node=2", "+teachers.add.tasks_per_node=2")
+    proc = _launch("run.max_steps=2", f"run.dir={run}", "trainer.tasks_per_node=2", "+teachers.add.tasks_per_node=2",
+                   layout=layout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _check(run, 2)
+    _check(run, 2, mesh, transfers)
 
 
 @pytest.mark.slurm

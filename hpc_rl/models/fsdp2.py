@@ -228,9 +228,13 @@ class FSDP2Backend:
 
             return tp_greedy(self.model, input_ids.to(self.device), attention_mask.to(self.device), max_new_tokens,
                              eos_id, pad_id, self.dims.tp).cpu()
+        # synced_gpus=False: on an FSDP2 model HF would otherwise all-reduce a "finished" flag on
+        # the default group (every rank of the job, which the other roles never join: a teacher
+        # group of 2+ ranks hung here). Every rank of a group is given the same prompts
+        # (roles/teacher.py), so all of them run the same number of forwards without it.
         out = self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                                  pad_token_id=pad_id)
+                                  pad_token_id=pad_id, synced_gpus=False)
         return out[:, input_ids.shape[1]:].cpu()
 
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
