@@ -63,7 +63,13 @@ def _tp_worker(rank: int, world: int, ckpt: str, store: str, out: str, sp: bool,
         layout = b.source_layout("float32").to_dict()
         pids, pattn = _prompts()
         greedy = b.greedy(pids, pattn, 6, eos_id=7, pad_id=0)
-        torch.save({"before": before, "metrics": metrics, "state": state, "shards": shards, "layout": layout,
+        vocab_here = None
+        if b.dims.tp > 1:  # the logits a rank holds: its slice of the vocabulary only
+            from hpc_rl.models.parallel.forward import local_logits
+
+            with torch.no_grad():
+                vocab_here = local_logits(b.model, ids[:, :10], attn[:, :10])[0].shape[-1]
+        torch.save({"vocab_here": vocab_here, "before": before, "metrics": metrics, "state": state, "shards": shards, "layout": layout,
                     "greedy": greedy, "dp": (b.dp_rank, b.dp_size)}, f"{out}.{rank}")
         dist.barrier()
     finally:
@@ -94,7 +100,9 @@ def reference(tiny_ckpt):
 def test_tp2_equals_dp_only_logprobs_and_step(tiny_ckpt, reference, tmp_path, sp, mbs):
     ranks = _run_tp(tmp_path, tiny_ckpt, sp, mbs)
     ids, attn = _batch()
+    vocab = reference["state"]["lm_head.weight"].shape[0]
     for got in ranks:
+        assert got["vocab_here"] == vocab // 2  # log-probs from half the vocabulary's logits per rank
         assert got["dp"] == (0, 1)  # two tp ranks of one data-parallel rank: the same rows
         assert torch.allclose(got["before"], reference["before"], atol=1e-5, rtol=0)
         assert got["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], rel=1e-5)
