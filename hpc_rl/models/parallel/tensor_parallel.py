@@ -44,7 +44,21 @@ def parallelize(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> Non
         _sequence_parallel_plan(model, tp_mesh)
     else:
         _replicated_stream_plan(model, tp_mesh)
+    _keep_grad_sharded(model.model.embed_tokens.weight)
     # The rotary cache (inv_freq) is a buffer computed from the config: identical on every rank.
+
+
+def _keep_grad_sharded(param) -> None:
+    """The vocabulary-split embedding's gradient comes back from DTensor's backward as a
+    Replicate DTensor: the whole [vocab, hidden] on every rank (measured: torch 2.13). Cut it
+    back to the parameter's own rows as soon as it is accumulated (a local slice, no
+    communication), so a rank holds 1/tp of it like every other gradient."""
+
+    def hook(p):
+        if p.grad is not None and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+    param.register_post_accumulate_grad_hook(hook)
 
 
 def _sequence_parallel_plan(model, tp_mesh) -> None:
