@@ -151,8 +151,8 @@ def test_every_refusal_names_the_concrete_key_and_a_fix(rule):
 
 def test_dict_entries_are_refused_under_their_own_names():
     cfg = load_config(BASE)
-    cfg.teachers["mul"].parallel.cp = 2
-    assert [(v.key, v.value) for v in unsupported(cfg)] == [("teachers.mul.parallel.cp", 2)]
+    cfg.teachers["mul"].parallel.pp = 2
+    assert [(v.key, v.value) for v in unsupported(cfg)] == [("teachers.mul.parallel.pp", 2)]
 
 
 @pytest.mark.parametrize("fact", [f for f in FACTS if f.example is not None], ids=lambda f: f.key)

@@ -125,16 +125,18 @@ TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
 UNSUPPORTED = [
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.tp=2"], "generator.parallel.tp", "more generator ranks give more engines"),
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "one vLLM engine per generator rank"),
-    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.tp=2"], "trainer.parallel.tp", "1-D data parallel"),
-    (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.cp=2"], "teachers.add.parallel.cp", "inference only"),
+    (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
+     "not both in one model"),
+    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "no expert parallelism"),
+    (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
     (TINY + ["algo.async_rollout.enabled=true"], "algo.async_rollout.enabled", "lock-step"),
     (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama and qwen2 checkpoints only"),
     (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
-    (ULTRA + ["trainer.backend=fsdp2"], "trainer.sequence_parallel", "fsdp2 backend of this version does not have"),
-    (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "1-D data parallel"),
+    (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
+    (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "no expert parallelism"),
     (ULTRA, "algo.async_rollout.in_flight_weight_updates", "asynchronous rollouts"),
 ]
 
@@ -164,6 +166,17 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     text = render_unsupported(unsupported(cfg))
     assert text.startswith("settings this version cannot run yet") and "fix: set algo.async_rollout.enabled=false" in text
     assert render_unsupported([]) == ""
+
+
+def test_tensor_context_and_sequence_parallel_are_honoured_not_refused():
+    # the fsdp2 backend splits the trainer and the teachers with DTensor TP (models/parallel/)
+    cfg = load_config(TINY + ["trainer.tasks_per_node=2", "trainer.parallel.tp=2", "trainer.sequence_parallel=true",
+                              "+teachers.add.tasks_per_node=2", "+teachers.add.parallel.tp=2"])
+    assert unsupported(cfg) == []
+    # context parallel too (its own K/V all-gather), on its own
+    assert unsupported(load_config(TINY + ["trainer.tasks_per_node=2", "trainer.parallel.cp=2"])) == []
+    keys = {v.key for v in unsupported(load_config(ULTRA))}
+    assert "trainer.parallel.tp" not in keys and "trainer.sequence_parallel" not in keys
 
 
 def test_the_wiring_check_is_not_refused_for_training_settings():

@@ -59,6 +59,14 @@ def test_generator_engines_over_several_ranks_are_refused_before_launch(model_di
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_launch(model_dir, tmp_path, capsys):
+    # the checkpoint has one attention head: tp=2 cannot give each rank whole heads
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, "trainer.tasks_per_node=2", "trainer.parallel.tp=2"))
+    assert code == 2
+    assert "trainer.parallel.tp = 2" in text and "num_attention_heads=1 is not divisible by tp=2" in text
+    assert not (tmp_path / "run").exists()
+
+
 def test_malformed_rows_can_be_skipped_and_counted(model_dir, tmp_path):
     data = _dataset(tmp_path, mixed(3, tasks=("addition_1digit", "multiplication_1digit")), "{not json", at=2)
     cfg = load_config(_overrides(model_dir, tmp_path, f"data.path={data}", "data.skip_invalid=true"))

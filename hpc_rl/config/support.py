@@ -2,7 +2,7 @@
 
 `validate` (validate.py) finds configs that are wrong: always fatal, also for the dry run.
 `unsupported` finds configs that are right but ask for something the runtime of this
-version does not do (tensor/context/expert/pipeline parallel training on the fsdp2 backend,
+version does not do (context/expert/pipeline parallel training beyond what the chosen backend has,
 async rollouts, a reference-KL penalty, checkpoints the chosen backend cannot load). Real launches (launcher=local|slurm, a hand-submitted
 script) refuse them; the dry run still plans and renders such a recipe (the flagship
 ultra_mopd is one) and lists them with `render_unsupported`.
@@ -82,17 +82,22 @@ _ENV_PRECISION = EnvConfig.precision  # the schema default: env ranks never read
 
 _DIMS = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
          "etp": "expert tensor parallelism", "pp": "pipeline parallelism"}
-_FSDP2 = ("{who}: the fsdp2 backend of this version is 1-D data parallel (each rank holds a shard "
-          "of the whole model); it has no {dim}, so this setting would be ignored")
+# The fsdp2 backend honours tp (DTensor tensor parallel) and cp (its own K/V all-gather: torch's
+# context_parallel has no CPU path) for the trainer and the teachers (models/parallel/); these
+# it does not have. tp with cp together: refused by `_parallel_combinations`.
+_FSDP2_LACKS = {d: n for d, n in _DIMS.items() if d not in ("tp", "cp")}
+_FSDP2 = ("{who}: the fsdp2 backend of this version has data, tensor and context parallelism (dp, tp, cp) "
+          "only; it has no {dim}, so this setting would be ignored")
 
 
 def _above_one(value: Any) -> bool:
     return value is not None and value > 1
 
 
-def _parallel_rules(section: str, problem: str, fix: str, applies: Optional[Callable[[RunConfig], bool]] = None) -> List[Rule]:
+def _parallel_rules(section: str, problem: str, fix: str, dims=None,
+                    applies: Optional[Callable[[RunConfig], bool]] = None) -> List[Rule]:
     return [Rule(f"{section}.parallel.{dim}", _above_one, problem.format(dim=name), fix, example=2, applies=applies)
-            for dim, name in _DIMS.items()]
+            for dim, name in (dims or _DIMS).items()]
 
 
 RULES: List[Rule] = [
@@ -100,14 +105,11 @@ RULES: List[Rule] = [
     # cluster.gpus_per_node=0: megatron-core has no CPU path). Megatron honours tp, cp, ep,
     # etp, pp and sequence parallel, for the student and for inference-only teachers.
     *_parallel_rules("trainer", _FSDP2.replace("{who}", "trainer"),
-                     "set {key}=1 (the data parallel size is derived from the trainer's ranks), or trainer.backend=megatron "
-                     "on a GPU cluster", applies=_fsdp2),
-    Rule("trainer.sequence_parallel", bool,
-         "sequence parallelism splits activations over tensor parallel ranks, which the fsdp2 backend "
-         "of this version does not have", "set trainer.sequence_parallel=false (or trainer.backend=megatron on a GPU cluster)",
-         example=True, applies=_fsdp2),
+                     "set {key}=1 (trainer.parallel.tp/cp split the model/sequence; dp is derived from the trainer's ranks), "
+                     "or trainer.backend=megatron on a GPU cluster", _FSDP2_LACKS, applies=_fsdp2),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
-                     "set {key}=1 (the data parallel size is derived from the teacher group's ranks)", applies=_fsdp2),
+                     "set {key}=1 (parallel.tp/cp split the teacher/sequence; dp is derived from the teacher group's ranks)",
+                     _FSDP2_LACKS, applies=_fsdp2),
     *_parallel_rules("generator",
                      "the RL program runs one vLLM engine per generator rank; an engine spanning several "
                      "ranks ({dim}) cannot be launched yet",
@@ -159,9 +161,22 @@ FACTS: List[Fact] = [
 ]
 
 
+def _parallel_combinations(cfg: RunConfig) -> List[Violation]:
+    """Sizes each honoured alone that the fsdp2 backend cannot combine: tensor parallel with
+    context parallel (the cp attention gathers whole-head K/V; it has no TP-sharded heads)."""
+    if cfg.run.program != "rl" or not _fsdp2(cfg):  # megatron combines them
+        return []
+    roles = [("trainer", cfg.trainer)] + [(f"teachers.{a}", t) for a, t in cfg.teachers.items()]
+    return [Violation(f"{key}.parallel.cp", r.parallel.cp,
+                      f"the fsdp2 backend of this version runs context parallel (cp={r.parallel.cp}) or tensor parallel "
+                      f"(tp={r.parallel.tp}), not both in one model",
+                      f"set {key}.parallel.cp=1 or {key}.parallel.tp=1")
+            for key, r in roles if r.parallel.cp > 1 and r.parallel.tp > 1]
+
+
 def unsupported(cfg: RunConfig) -> List[Violation]:
     """Every setting of `cfg` this version of the runtime cannot honour (empty: it can run)."""
-    return [v for rule in RULES for v in rule.check(cfg)]
+    return [v for rule in RULES for v in rule.check(cfg)] + _parallel_combinations(cfg)
 
 
 def refuse_unsupported(cfg: RunConfig) -> None:

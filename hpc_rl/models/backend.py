@@ -54,6 +54,13 @@ class TrainingBackend(Protocol):
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every weight, whole, on CPU (a collective of the backend's ranks)."""
 
+    def dp_rank_of(self, role_rank: int) -> int:
+        """The data-parallel rank (the rows' share) of a rank of the backend's group."""
+
+    def source_layout(self, dtype_name: str) -> Any:
+        """The refit source Layout (hpc_rl.refit.layout) of the group, group ranks as layout
+        ranks, from every rank's live shards (a collective of the backend's ranks)."""
+
 
 @dataclass(frozen=True)
 class BackendSpec:
@@ -65,6 +72,12 @@ class BackendSpec:
     device: str
     group: Any  # the role's process group
     train: Any = None  # hpc_rl.config.schema.TrainerConfig, or None for inference only
-    # the role's parallel section when it does not train (teachers.<alias>.parallel): model-
-    # parallel backends (megatron) split by it; fsdp2 ignores it (validation refuses sizes > 1 there)
+    # the role's parallel sizes {"tp", "cp", "ep", "etp", "pp", "dp"} (None: all data parallel);
+    # every backend builds its layout from these (fsdp2: dp x cp x tp mesh; megatron: its groups)
     parallel: Any = None
+    sequence_parallel: bool = False  # tensor parallel shards the norms' tokens (trainer.sequence_parallel)
+
+
+def parallel_sizes(p: Any) -> Dict[str, Any]:
+    """A role's `parallel` config section -> the sizes a backend builds its layout from."""
+    return {"tp": p.tp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "pp": p.pp, "dp": p.dp}

@@ -70,11 +70,22 @@ def lr_at(step: int, o: OptimConfig) -> float:
     return o.warmup_start_lr + (o.lr - o.warmup_start_lr) * step / o.warmup_steps
 
 
+def parallel_dims(group: Optional[dist.ProcessGroup], parallel: Optional[Dict[str, int]]):
+    """The group's ParallelDims from a role's `parallel` sizes (None: all data parallel)."""
+    from .parallel.mesh import ParallelDims
+
+    world = dist.get_world_size(group) if group is not None else 1
+    p = dict(parallel or {})
+    return ParallelDims.for_world(world, tp=p.get("tp", 1), cp=p.get("cp", 1), ep=p.get("ep", 1), etp=p.get("etp", 1),
+                                  dp=p.get("dp"))
+
+
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
 class FSDP2Backend:
-    """1-D data parallel: every rank of `group` holds a Shard(0) chunk of each weight."""
+    """Data parallel (FSDP2: every dp rank holds a Shard(0) chunk of each weight), and with
+    `parallel.tp > 1` DTensor tensor parallel inside each dp rank (models/parallel/)."""
 
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> "FSDP2Backend":
@@ -84,10 +95,12 @@ class FSDP2Backend:
             optim = OptimConfig(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                 grad_clip=o.grad_clip, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr)
         return cls(spec.checkpoint, group=spec.group, precision=spec.precision, optim=optim,
-                   train=spec.train is not None, device=spec.device)
+                   train=spec.train is not None, device=spec.device, parallel=spec.parallel,
+                   sequence_parallel=spec.sequence_parallel)
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
-                 optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu"):
+                 optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu",
+                 parallel: Optional[Dict[str, int]] = None, sequence_parallel: bool = False):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -99,12 +112,30 @@ class FSDP2Backend:
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
         self.sharded = group is not None and dist.get_world_size(group) > 1
         self.group = group
-        if self.sharded:
-            mesh = DeviceMesh.from_group(group, device_type=self.device.type)
+        self.dims = parallel_dims(group, parallel)
+        self.mesh = None
+        if self.dims.tp > 1 or self.dims.cp > 1:
+            from .parallel.mesh import build_mesh
+
+            if self.dims.tp > 1 and self.dims.cp > 1:  # validation refuses it (config/support.py)
+                raise ValueError("tensor parallel with context parallel is not implemented; use one of them")
+            self.mesh = build_mesh(self.dims, group, self.device.type)
+        if self.dims.tp > 1:
+            from .parallel.tensor_parallel import parallelize
+
+            parallelize(model, self.mesh["tp"], sequence_parallel)
+        if self.dims.cp > 1:
+            from .parallel.context_parallel import enable
+
+            enable(model)
+        if self.dims.dp * self.dims.cp > 1:
+            # FSDP2 over dp (x tp inside) or, with cp, over the dp x cp ranks: the whole group
+            tp_inside = self.dims.tp > 1
+            dp_mesh = self.mesh["dp"] if tp_inside else DeviceMesh.from_group(group, device_type=self.device.type)
             mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
+                fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.step_count = 0
@@ -120,19 +151,36 @@ class FSDP2Backend:
             model.requires_grad_(False)
 
     def _autocast(self):
-        if self.sharded or self.precision == "fp32":
+        # Under FSDP2 (dp x cp > 1) its mixed precision policy casts; otherwise autocast does.
+        if self.dims.dp * self.dims.cp > 1 or self.precision == "fp32":
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=torch_dtype(self.precision))
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank(self.group) if self.sharded else 0
+        return self.dims.coords(dist.get_rank(self.group))["dp"] if self.sharded else 0
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size(self.group) if self.sharded else 1
+        return self.dims.dp
+
+    def dp_rank_of(self, role_rank: int) -> int:
+        """The data-parallel rank of a rank of the group (its rows' share)."""
+        return self.dims.coords(role_rank)["dp"]
 
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.dims.cp > 1:  # each rank its 1/cp of the tokens, K/V gathered in the attention
+            from .parallel.context_parallel import cp_token_logprobs
+
+            with self._autocast():
+                return cp_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                         self.mesh["cp"].get_group())
+        if self.dims.tp > 1:  # the log-softmax over the sharded vocabulary (no rank holds whole logits)
+            from .parallel.forward import tp_token_logprobs
+
+            with self._autocast():
+                return tp_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                         self.dims.tp)
         with self._autocast():
             logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
         return token_logprobs(logits, input_ids.to(self.device))
@@ -175,9 +223,18 @@ class FSDP2Backend:
     @torch.no_grad()
     def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
                pad_id: int) -> torch.Tensor:
+        if self.dims.tp > 1:
+            from .parallel.forward import tp_greedy
+
+            return tp_greedy(self.model, input_ids.to(self.device), attention_mask.to(self.device), max_new_tokens,
+                             eos_id, pad_id, self.dims.tp).cpu()
+        # synced_gpus=False: on an FSDP2 model HF would otherwise all-reduce a "finished" flag on
+        # the default group (every rank of the job, which the other roles never join: a teacher
+        # group of 2+ ranks hung here). Every rank of a group is given the same prompts
+        # (roles/teacher.py), so all of them run the same number of forwards without it.
         out = self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                                  pad_token_id=pad_id)
+                                  pad_token_id=pad_id, synced_gpus=False)
         return out[:, input_ids.shape[1]:].cpu()
 
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -193,23 +250,25 @@ class FSDP2Backend:
                                                                          broadcast_from_rank0=False))
 
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
-        """This rank's part of every weight, by HF name: (global start of its box, tensor).
-        FSDP2 keeps Shard(0) chunks (torch.chunk's split); an unsharded model holds whole
-        tensors. With `dtype` the shards are cast copies (refit to a bf16 engine); without,
-        they are the live parameters themselves (no copy)."""
-        from hpc_rl.refit.layout import chunk_bounds
+        """This rank's part of every weight, by HF name: (global start of its box, tensor),
+        read from the parameters' own placements (FSDP2's Shard(0) chunks, tensor parallel
+        column/row slices, both; whole tensors when unsharded). With `dtype` the shards are
+        cast copies (refit to a bf16 engine); without, the live parameters (no copy)."""
+        from .parallel.shards import local_box
 
         out = {}
-        rank = dist.get_rank(self.group) if self.sharded else 0
-        world = dist.get_world_size(self.group) if self.sharded else 1
         for name, value in self.model.state_dict().items():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            a, b = chunk_bounds(value.shape[0], world)[rank]
-            if local.shape[0] != b - a:
-                raise RuntimeError(f"{name}: FSDP2 shard of {tuple(local.shape)} on rank {rank}, expected rows {a}..{b} "
-                                   f"of {tuple(value.shape)}")
+            (start, _), local = local_box(value)
             local = local.detach()
             if dtype is not None and local.dtype != dtype:
                 local = local.to(dtype)
-            out[name] = (tuple([a] + [0] * (local.dim() - 1)), local)
+            out[name] = (start, local)
         return out
+
+    def source_layout(self, dtype_name: str):
+        """The refit source layout of the group (ranks in group order), from every rank's
+        live boxes; a collective of the group."""
+        from .parallel.shards import gather_source_layout, local_boxes
+
+        specs = {n: (shape, dtype_name) for n, (shape, _) in self.refit_specs().items()}
+        return gather_source_layout(local_boxes(self.model.state_dict()), specs, self.group if self.sharded else None)

@@ -158,8 +158,10 @@ def _bind_cpu_workers(tp: int) -> None:
 
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
-                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch", engine_tp: int = 1, src=None):
-    """The refit group of `n_trainers` FSDP2 ranks (refit ranks 0..n-1, Shard(0) each) and
+                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch", engine_tp: int = 1,
+                src=None):
+    """The refit group of `n_trainers` trainer ranks (refit ranks 0..n-1 holding the boxes of
+    `src`, the backend's source layout; None: FSDP2's Shard(0) of every weight) and
     `n_engines` vLLM engines of tensor parallel `engine_tp` (engine g's workers are refit
     ranks n + g*engine_tp + their TP rank, each keeping its TP slices). The first rank of
     engine g is `engine_first_rank(n_trainers, g, engine_tp)`."""
@@ -167,8 +169,10 @@ def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: 
     from .session import RefitSetup
     from .vllm_layout import vllm_tp_layout
 
-    # `src`: the trainer ranks' layout when it is not FSDP2's Shard(0) (megatron_layout)
-    src = src if src is not None else fsdp2(specs, list(range(n_trainers)))
+    if src is None:
+        src = fsdp2(specs, list(range(n_trainers)))
+    elif src.ranks() != list(range(n_trainers)):
+        raise ValueError(f"the source layout's ranks {src.ranks()} are not the {n_trainers} trainer ranks")
     engines = [[engine_first_rank(n_trainers, g, engine_tp) + j for j in range(engine_tp)] for g in range(n_engines)]
     dst = merge(*[vllm_tp_layout(specs, ranks) for ranks in engines])
     names = {i: f"trainer:{i}" for i in range(n_trainers)}

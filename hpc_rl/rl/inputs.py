@@ -67,6 +67,20 @@ def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional
     return str(Path(path).resolve())
 
 
+def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
+    """Tensor parallel keeps whole heads, MLP columns and vocabulary slices on each rank:
+    refuse a tp that does not divide this checkpoint's (before any rank loads it)."""
+    import json
+
+    from hpc_rl.models.parallel.tensor_parallel import tp_problems
+
+    problems = tp_problems(json.loads((Path(path) / "config.json").read_text()), tp)
+    if problems:
+        out.append(Violation(key, tp, f"{path}: " + "; ".join(problems),
+                             f"set {key} to a size that divides the heads, key/value heads, intermediate size "
+                             "and vocabulary (or 1)"))
+
+
 def generated_rows(cfg: RunConfig) -> List[dict]:
     """data.tasks, data.samples_per_task each, interleaved, seeded by run.seed."""
     return task_gen.mixed(cfg.data.samples_per_task, seed=cfg.run.seed, tasks=cfg.data.tasks)
@@ -104,10 +118,12 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     resolved = _check_model(out, "model.path", cfg.model.path)
     if resolved:
         cfg.model.path = resolved
+        _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
     for alias, t in cfg.teachers.items():
         p = _check_model(out, f"teachers.{alias}.checkpoint", t.checkpoint)
         if p:
             t.checkpoint = p
+            _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
 
     dataset: Optional[PromptDataset] = None
     try:

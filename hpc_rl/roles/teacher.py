@@ -12,7 +12,7 @@ import torch
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.envs.registry import score
 from hpc_rl.models.assets import chat_prompt
-from hpc_rl.models.backend import BackendSpec
+from hpc_rl.models.backend import BackendSpec, parallel_sizes
 from hpc_rl.models.registry import build_backend
 from hpc_rl.refit.vllm_engine import pad_rows
 from hpc_rl.messaging import p2p as exchange
@@ -30,8 +30,9 @@ class TeacherRole:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         t = cfg.teachers[group]
         self.max_tokens = cfg.generator.sampling.max_tokens
+        # inference only, with the teacher's own parallel sizes (every rank scores all rows)
         self.backend = build_backend(cfg.trainer.backend, BackendSpec(t.checkpoint, t.precision, ctx.device,
-                                                                      ctx.groups.role, parallel=t.parallel))
+                                                                      ctx.groups.role, parallel=parallel_sizes(t.parallel)))
         router = TeacherRouter.from_config(cfg)
         ctx.log.info("teacher group %s (aliases %s) loaded from %s (%s backend)", group,
                      [a for a in cfg.teachers if router.group_of(a) == group], t.checkpoint, cfg.trainer.backend)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_advantages, per_token, policy_loss,
                          sequence_keep_mask)
-from hpc_rl.models.backend import BackendSpec, TrainingBackend
+from hpc_rl.models.backend import BackendSpec, TrainingBackend, parallel_sizes
 from hpc_rl.models.registry import build_backend
 from hpc_rl.precision import torch_dtype, vllm_dtype
 from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
@@ -29,9 +29,11 @@ class TrainerRole:
         self.rank = ctx.ident.role_rank
         self.is_driver = ctx.ident.global_rank == routes.driver
         self.backend: TrainingBackend = build_backend(cfg.trainer.backend, BackendSpec(
-            cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer))
-        self.log.info("student %s loaded (%s over %d ranks, %s)", cfg.model.path, cfg.trainer.backend,
-                      self.backend.dp_size, cfg.trainer.precision)
+            cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer,
+            parallel=parallel_sizes(cfg.trainer.parallel), sequence_parallel=cfg.trainer.sequence_parallel))
+        self.log.info("student %s loaded (%s over %d ranks: dp %d x cp %d x tp %d, %s)", cfg.model.path,
+                      cfg.trainer.backend, dist.get_world_size(ctx.groups.role), self.backend.dp_size,
+                      cfg.trainer.parallel.cp, cfg.trainer.parallel.tp, cfg.trainer.precision)
         self.refit_ep = None
         self._refit_cast = None
         self.refit_dtype = torch_dtype(cfg.generator.precision)
@@ -47,16 +49,15 @@ class TrainerRole:
 
         cfg, r = self.cfg, self.routes
         setup = None
+        engine_dtype = vllm_dtype(cfg.generator.precision)
+        # what each trainer rank holds, read from its live parameters (a collective of the trainer ranks)
+        src = self.backend.source_layout(engine_dtype)
         if self.is_driver:
-            engine_dtype = vllm_dtype(cfg.generator.precision)
             specs = {n: (shape, engine_dtype) for n, (shape, _) in self.backend.refit_specs().items()}
-            # a backend with its own sharding (megatron) describes its ranks' boxes; else FSDP2's
-            source = getattr(self.backend, "refit_source_layout", None)
             setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
-                                src=source(specs) if source else None,
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=domain_of,
-                                engine_tp=cfg.generator.parallel.tp)
+                                engine_tp=cfg.generator.parallel.tp, src=src)
             for g in r.generators:
                 exchange.send(setup, g)
         setup = exchange.share(setup, r.driver, self.ctx.groups.role)
@@ -101,11 +102,12 @@ class TrainerRole:
         n_tr = self.backend.dp_size
         mine = exchange.strided(len(rows), self.backend.dp_rank, n_tr)
         lp = self.backend.logprobs(full.input_ids[mine], full.attention_mask[mine]).float().cpu()
-        if n_tr == 1:
+        if dist.get_world_size(self.ctx.groups.role) == 1:
             return lp
+        # the ranks of one data-parallel rank (its tensor parallel ranks) hold the same share
         out = torch.zeros(full.input_ids.shape, dtype=torch.float32)
-        # with model parallel backends (megatron) several ranks share one data-parallel
-        # index and return the same rows: place each share by its sender's dp rank
+        # several ranks of one data-parallel index (tensor/context/model parallel) return the
+        # same rows: place each share by its sender's dp rank
         for dp_rank, t in exchange.gather_all((self.backend.dp_rank, lp), self.ctx.groups.role):
             out[exchange.strided(len(rows), dp_rank, n_tr)] = t
         return out
@@ -148,12 +150,12 @@ class TrainerRole:
             metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn,
                                                    micro_batch_size=tr.micro_batch_size))
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
-        world = dist.get_world_size(self.ctx.groups.role) if dp > 1 else 1
-        if world > 1:  # average the ranks' minibatch metrics (model-parallel ranks of one dp index agree)
+        ranks = dist.get_world_size(self.ctx.groups.role)
+        if ranks > 1:  # average the ranks' minibatch metrics (tensor parallel ranks repeat their dp rank's)
             keys = sorted(out)
             v = torch.tensor([out[k] for k in keys], dtype=torch.float64)
             dist.all_reduce(v, group=self.ctx.groups.role)
-            out = {k: float(x) / world for k, x in zip(keys, v)}
+            out = {k: float(x) / ranks for k, x in zip(keys, v)}
         out["advantage_mean"] = float(masked_mean(adv, mask))
         out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
         out["optimizer_steps"] = len(metrics)

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hpc_rl.models.backend import BackendSpec, LossFn, Shards
+from hpc_rl.models.backend import BackendSpec, LossFn, Shards, parallel_sizes
 
 from . import config_map
 from .hf_mapping import ModelDims, Style, hf_to_megatron, padded_vocab
@@ -38,7 +38,9 @@ from .vocab_parallel import vocab_parallel_logprobs
 class MegatronBackend:
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> "MegatronBackend":
-        parallel = spec.train.parallel if spec.train is not None else spec.parallel
+        parallel = spec.parallel
+        if parallel is None and spec.train is not None:
+            parallel = parallel_sizes(spec.train.parallel)
         return cls(spec.checkpoint, spec.group, spec.precision, spec.device, train=spec.train, parallel=parallel)
 
     def __init__(self, path: str, group, precision: str, device: str, train: Any = None, parallel: Any = None):
@@ -49,8 +51,8 @@ class MegatronBackend:
         self.train_cfg, self.precision = train, precision
         self.ranks = dist.get_process_group_ranks(group)  # group rank i = Megatron mesh rank i
         self.me = dist.get_rank(group)
-        q = parallel  # trainer.parallel or teachers.<alias>.parallel
-        sizes = dict(tp=q.tp, cp=q.cp, pp=q.pp, ep=q.ep, etp=q.etp) if q is not None else {}
+        q = parallel or {}  # the role's sizes (models/backend.parallel_sizes)
+        sizes = {k: q[k] for k in ("tp", "cp", "pp", "ep", "etp") if q.get(k)}
         inner = sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)
         self.p = Parallel(dp=len(self.ranks) // inner, **sizes)
         self.c = coords_of(self.me, self.p)
@@ -322,9 +324,17 @@ class MegatronBackend:
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         return dict(self.hf_specs)
 
+    def dp_rank_of(self, role_rank: int) -> int:
+        return coords_of(role_rank, self.p).dp
+
     def refit_source_layout(self, specs):
         """The trainer ranks' boxes for the refit planner (Megatron's sharding, HF names)."""
         return megatron_layout(specs, self.dims, self.style, self.p)
+
+    def source_layout(self, dtype_name: str):
+        """The protocol's source layout: computed from the sharding rule, no collective needed."""
+        specs = {n: (shape, dtype_name) for n, (shape, _) in self.refit_specs().items()}
+        return self.refit_source_layout(specs)
 
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
         state = {k: v for k, v in self.core.state_dict().items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,3 @@
+"""Trainer and teacher parallelism on torch.distributed: the mesh (mesh.py), DTensor tensor
+and sequence parallel for Llama/Qwen2 (tensor_parallel.py), vocab-parallel log-probs
+(vocab_logprobs.py) and the refit source layout read from the live shards (shards.py)."""

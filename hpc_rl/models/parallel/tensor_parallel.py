@@ -1,0 +1,112 @@
+"""DTensor tensor parallel (and sequence parallel) for Hugging Face Llama / Qwen2 models.
+
+Megatron's split, expressed with torch's parallel styles: q/k/v, gate and up are column
+parallel (each rank keeps whole heads, whole MLP columns), o_proj and down_proj are row
+parallel, the embedding is split over the vocabulary (rows) and the lm_head over the
+vocabulary too (its logits stay sharded: vocab_logprobs.py reads them without a gather).
+
+With `sequence_parallel` the residual stream between the blocks is sharded over the
+sequence (Shard(1)): the norms run on a 1/tp slice of the tokens, and the row-parallel
+outputs are reduce-scattered instead of all-reduced; attention and the MLP gather the
+sequence at their input. Without it the residual stream is replicated (Replicate DTensors)
+and the norms run whole on every rank. Either way every parameter is a DTensor on the tp
+mesh, so clipping and the optimizer see one kind of tensor.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+# HF module names inside one decoder layer (Llama and Qwen2 share them)
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def tp_problems(config, tp: int) -> List[str]:
+    """Why `tp` cannot split this HF config (empty: it can). Used by validation and here."""
+    if tp <= 1:
+        return []
+    need = {"num_attention_heads": config.get("num_attention_heads"),
+            "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
+            "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")}
+    out = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
+    if config.get("tie_word_embeddings"):
+        out.append("tie_word_embeddings=true: the embedding (row split) and lm_head (column split) cannot share one weight")
+    return out
+
+
+def parallelize(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Turn the model's parameters into DTensors on `tp_mesh`, in place."""
+    if sequence_parallel:
+        _sequence_parallel_plan(model, tp_mesh)
+    else:
+        _replicated_stream_plan(model, tp_mesh)
+    _keep_grad_sharded(model.model.embed_tokens.weight)
+    # The rotary cache (inv_freq) is a buffer computed from the config: identical on every rank.
+
+
+def _keep_grad_sharded(param) -> None:
+    """The vocabulary-split embedding's gradient comes back from DTensor's backward as a
+    Replicate DTensor: the whole [vocab, hidden] on every rank (measured: torch 2.13). Cut it
+    back to the parameter's own rows as soon as it is accumulated (a local slice, no
+    communication), so a rank holds 1/tp of it like every other gradient."""
+
+    def hook(p):
+        if p.grad is not None and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+    param.register_post_accumulate_grad_hook(hook)
+
+
+def _sequence_parallel_plan(model, tp_mesh) -> None:
+    """The residual stream as Shard(1) DTensors; norms on their slice of the tokens."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    inner = model.model
+    parallelize_module(inner.embed_tokens, tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False))
+    for layer in inner.layers:
+        plan = {name: ColwiseParallel() for name in COLUMN}
+        plan.update({name: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for name in ROW})
+        plan.update({name: SequenceParallel() for name in NORMS})
+        # attention and the MLP gather the sequence and work on plain local tensors (own heads / columns)
+        plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                               desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                               use_local_output=True)
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                         use_local_output=True)
+        parallelize_module(layer, tp_mesh, plan)
+    parallelize_module(inner.norm, tp_mesh, SequenceParallel())
+    parallelize_module(model.lm_head, tp_mesh,
+                       ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False))
+
+
+def _replicated_stream_plan(model, tp_mesh) -> None:
+    """The residual stream as plain (whole, identical) tensors: torch's classic TP. The norms'
+    weights still become Replicate DTensors, wrapped at their input and output, so every
+    parameter is a DTensor on the tp mesh."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def into(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False) for x in inputs)
+
+    def out_of(module, output, mesh):
+        return output.to_local()
+
+    inner = model.model
+    parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    for layer in inner.layers:
+        plan = {name: ColwiseParallel() for name in COLUMN}
+        plan.update({name: RowwiseParallel() for name in ROW})
+        parallelize_module(layer, tp_mesh, plan)
+        for name in NORMS:
+            distribute_module(getattr(layer, name), tp_mesh, input_fn=into, output_fn=out_of)
+    distribute_module(inner.norm, tp_mesh, input_fn=into, output_fn=out_of)
+    parallelize_module(model.lm_head, tp_mesh,
+                       ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))

@@ -1,0 +1,68 @@
+"""tiny_mopd end to end with a tensor-parallel (or context-parallel) student and teacher: the
+refit from the trainer's shards into vLLM, the teacher's scores and greedy answers, as local
+processes and as a Slurm het job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
+         "data.eval_prompts_per_task=8", "trainer.micro_batch_size=8"]
+TP = ["trainer.parallel.tp=2", "trainer.sequence_parallel=true", "+teachers.add.parallel.tp=2"]
+
+
+CP = ["trainer.parallel.cp=2", "+teachers.add.parallel.cp=2"]
+
+
+def _launch(*args, layout=TP, timeout=900):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", *args, *SMALL, *layout],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _check(run: Path, steps: int, mesh: str = "dp 1 x cp 1 x tp 2", transfers: int = 37) -> None:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0)] + [("step", s) for s in range(1, steps + 1)] + [("eval", steps)]
+    for r in rows[1:-1]:
+        # vLLM sampled with the weights the tp=2 trainer's shards refitted: fp32 on both sides
+        assert r["token_mult_prob_error"] <= 1.001
+        assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0 and r["micro_batches"] == 4  # 32 rows per rank (dp 1) in pieces of 8
+        assert set(r["reverse_kl"]) == {"add", "mul", "mean"}
+    # the 2-rank teacher answers greedily like its dp-only self (tests/test_rl_loop.py: 1.0 each)
+    assert rows[0]["teacher_accuracy"] == {"add_agent": 1.0, "mul_agent": 1.0}
+    log = (run / "logs" / "trainer.0.out").read_text()
+    assert mesh in log
+    # each weight's bytes leave one rank: tp=2, 16 split tensors x 2 ranks + 5 whole norms;
+    # cp=2, FSDP2's Shard(0) over both ranks: 21 tensors x 2
+    assert f"refit plan: {transfers} transfers" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,mesh,transfers", [(TP, "dp 1 x cp 1 x tp 2", 37), (CP, "dp 1 x cp 2 x tp 1", 42)],
+                         ids=["tp2", "cp2"])
+def test_tiny_mopd_with_a_parallel_student_and_teacher_locally(tmp_path, layout, mesh, transfers):
+    run = tmp_path / "run"
+    proc = _launch("run.max_steps=2", f"run.dir={run}", "trainer.tasks_per_node=2", "+teachers.add.tasks_per_node=2",
+                   layout=layout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check(run, 2, mesh, transfers)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_tiny_mopd_with_tp2_over_two_trainer_nodes_as_a_het_job(local_slurm, tmp_path):
+    from hpc_rl.slurm.executor import job_from_run_dir
+
+    run = tmp_path / "run"
+    # six nodes, as the cluster has: tp=2 across the two trainer nodes; the teacher's tp=2
+    # runs its two ranks on one node
+    proc = _launch("cluster=local_slurm", "launcher=slurm", "launcher.wait=true", "trainer.nodes=2",
+                   "+teachers.add.tasks_per_node=2", "run.max_steps=2", f"run.dir={run}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    roles = [r["role"] for r in job_from_run_dir(run).results()]
+    assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/add", "teacher/mul", "env"]
+    _check(run, 2)
