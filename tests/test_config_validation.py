@@ -131,7 +131,8 @@ UNSUPPORTED = [
     (TINY + ["algo.async_rollout.enabled=true"], "algo.async_rollout.enabled", "lock-step"),
     (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
-    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama and qwen2 checkpoints only"),
+    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
+    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2 and qwen3_moe checkpoints only"),
     (ULTRA, "trainer.backend", "Megatron-core backend is not in this version"),
     (ULTRA, "trainer.sequence_parallel", "fsdp2 backend of this version does not have"),
     (ULTRA, "algo.async_rollout.in_flight_weight_updates", "asynchronous rollouts"),
@@ -146,7 +147,7 @@ def test_unsupported_settings_are_valid_but_refused_naming_key_and_fix(overrides
     assert key in found[0].fix
 
 
-@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
+@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_mopd_moe", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
 def test_shipped_runnable_recipes_ask_for_nothing_unsupported(recipe):
     assert unsupported(load_config([f"+recipe={recipe}"])) == []
 

@@ -2,7 +2,8 @@
 
 `validate` (validate.py) finds configs that are wrong: always fatal, also for the dry run.
 `unsupported` finds configs that are right but ask for something the runtime of this
-version does not do (Megatron, tensor/context/expert/pipeline parallel training, async
+version does not do (Megatron, tensor/context/pipeline parallel training, expert parallel
+outside MoE students, async
 rollouts, a reference-KL penalty). Real launches (launcher=local|slurm, a hand-submitted
 script) refuse them; the dry run still plans and renders such a recipe (the flagship
 ultra_mopd is one) and lists them with `render_unsupported`.
@@ -36,9 +37,11 @@ class Rule:
     # The run.program values the rule guards: the wiring check (comm_check) trains nothing,
     # so backend and algorithm settings mean nothing to it and are not refused there.
     programs: Tuple[str, ...] = ("rl",)
+    # The whole config -> the value is honoured after all (expert parallel for MoE models)
+    allow: Optional[Callable[[RunConfig], bool]] = None
 
     def check(self, cfg: RunConfig) -> List[Violation]:
-        if cfg.run.program not in self.programs:
+        if cfg.run.program not in self.programs or (self.allow is not None and self.allow(cfg)):
             return []
         found = []
         for key, owner, name in resolve(cfg, self.key):
@@ -60,7 +63,8 @@ class Fact:
 
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
+MOE_ARCHITECTURES = ("qwen3_moe",)  # expert parallel (models/parallel/expert_parallel.py) splits their experts
 _ENV_PRECISION = EnvConfig.precision  # the schema default: env ranks never read it
 
 _DIMS = {"tp": "tensor parallelism", "cp": "context parallelism", "ep": "expert parallelism",
@@ -73,9 +77,18 @@ def _above_one(value: Any) -> bool:
     return value is not None and value > 1
 
 
-def _parallel_rules(section: str, problem: str, fix: str) -> List[Rule]:
+def _parallel_rules(section: str, problem: str, fix: str, skip: Tuple[str, ...] = ()) -> List[Rule]:
     return [Rule(f"{section}.parallel.{dim}", _above_one, problem.format(dim=name), fix, example=2)
-            for dim, name in _DIMS.items()]
+            for dim, name in _DIMS.items() if dim not in skip]
+
+
+def _trainer_ep_runs(cfg: RunConfig) -> bool:
+    """The torch backend's expert parallel: an MoE student whose experts count is declared
+    (validate.py checks ep divides it, rl/inputs.py that the checkpoint has that many), ep
+    groups of consecutive data-parallel ranks, no tensor/context/pipeline parallel beside it."""
+    t = cfg.trainer
+    return (t.backend == "fsdp2" and cfg.model.architecture in MOE_ARCHITECTURES and bool(cfg.model.num_experts)
+            and t.parallel.tp == 1 and t.parallel.cp == 1 and t.parallel.pp == 1 and t.parallel.etp == 1)
 
 
 RULES: List[Rule] = [
@@ -83,7 +96,13 @@ RULES: List[Rule] = [
          "the Megatron-core backend is not in this version; the trainer would run FSDP2 instead",
          "set trainer.backend=fsdp2", example="megatron"),
     *_parallel_rules("trainer", _FSDP2.replace("{who}", "trainer"),
-                     "set {key}=1 (the data parallel size is derived from the trainer's ranks)"),
+                     "set {key}=1 (the data parallel size is derived from the trainer's ranks)", skip=("ep",)),
+    Rule("trainer.parallel.ep", _above_one,
+         f"the fsdp2 backend splits experts over ranks only for an MoE student (model.architecture one of "
+         f"{list(MOE_ARCHITECTURES)}, with model.num_experts set) and without tensor, context, pipeline or "
+         f"expert tensor parallel beside it; otherwise expert parallelism would be ignored",
+         "set {key}=1, or train an MoE checkpoint: model.architecture=qwen3_moe, model.num_experts=<its experts>, "
+         "trainer.parallel.tp/cp/pp/etp=1", example=2, allow=_trainer_ep_runs),
     Rule("trainer.sequence_parallel", bool,
          "sequence parallelism splits activations over tensor parallel ranks, which the fsdp2 backend "
          "of this version does not have", "set trainer.sequence_parallel=false", example=True),
@@ -100,8 +119,8 @@ RULES: List[Rule] = [
          "env ranks run verifiers and load no model, so a precision would be ignored",
          f"leave env.precision at {_ENV_PRECISION!r} (remove it from the recipe)", example="fp32"),
     Rule("model.architecture", lambda v: v not in ARCHITECTURES,
-         f"the fsdp2 backend of this version loads {' and '.join(ARCHITECTURES)} checkpoints only "
-         "(Hugging Face LlamaForCausalLM, Qwen2ForCausalLM)",
+         f"the fsdp2 backend of this version loads {', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]} checkpoints "
+         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
          example="nemotron_h"),
     Rule("algo.async_rollout.enabled", bool,

@@ -19,8 +19,13 @@ import torch.distributed as dist
 from hpc_rl.precision import torch_dtype
 
 from .backend import BackendSpec, LossFn, Shards
+from .parallel.expert_names import checkpoint_shards, checkpoint_specs
+from .parallel.expert_parallel import (EPGroups, box_of, clip_grad_norm, ep_size_of, expert_param_groups,
+                                       finish_expert_grads, shard_experts)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# HF class -> model.architecture (config/support.py ARCHITECTURES lists the same values)
+ARCHITECTURE_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_NAMES)
 
 
 class CheckpointError(ValueError):
@@ -28,7 +33,7 @@ class CheckpointError(ValueError):
 
 
 def check_checkpoint(path: str) -> dict:
-    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2
+    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2/Qwen3-MoE
     checkpoint with its tokenizer; returns its config."""
     p = Path(path)
     if not (p / "config.json").exists():
@@ -74,7 +79,9 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
 class FSDP2Backend:
-    """1-D data parallel: every rank of `group` holds a Shard(0) chunk of each weight."""
+    """1-D data parallel: every rank of `group` holds a Shard(0) chunk of each weight. With
+    `ep` > 1 (an MoE model), each group of `ep` consecutive ranks splits the experts instead
+    (models/parallel/expert_parallel.py); FSDP2 shards the rest."""
 
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> "FSDP2Backend":
@@ -84,10 +91,10 @@ class FSDP2Backend:
             optim = OptimConfig(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                 grad_clip=o.grad_clip, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr)
         return cls(spec.checkpoint, group=spec.group, precision=spec.precision, optim=optim,
-                   train=spec.train is not None, device=spec.device)
+                   train=spec.train is not None, device=spec.device, ep=ep_size_of(spec.train))
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
-                 optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu"):
+                 optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu", ep: int = 1):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -99,12 +106,19 @@ class FSDP2Backend:
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
         self.sharded = group is not None and dist.get_world_size(group) > 1
         self.group = group
+        self.ep, self.expert_params = None, []
+        if ep > 1:
+            if not self.sharded:
+                raise ValueError(f"expert parallel {ep} needs a group of several trainer ranks")
+            self.ep = EPGroups(group, ep, self.device.type)
+            self.expert_params = shard_experts(model, self.ep)
         if self.sharded:
             mesh = DeviceMesh.from_group(group, device_type=self.device.type)
             mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
+            ignored = set(self.expert_params) or None  # expert parallel owns those
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
+                fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+            fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.step_count = 0
@@ -113,7 +127,8 @@ class FSDP2Backend:
             o = self.optim_cfg
             if o.name not in OPTIMIZERS:
                 raise ValueError(f"trainer.optimizer.name={o.name!r}: this backend has {sorted(OPTIMIZERS)}")
-            self.optimizer = OPTIMIZERS[o.name](model.parameters(), lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
+            params = expert_param_groups(model, self.expert_params) if self.ep else model.parameters()
+            self.optimizer = OPTIMIZERS[o.name](params, lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay)
         else:
             model.eval()
@@ -164,7 +179,11 @@ class FSDP2Backend:
             share = (rows.stop - rows.start) / n
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + share * float(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        if self.ep:
+            finish_expert_grads(self.expert_params, self.ep)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.optim_cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -181,7 +200,8 @@ class FSDP2Backend:
         return out[:, input_ids.shape[1]:].cpu()
 
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+        """Global shapes by checkpoint name (fused experts as one tensor per expert)."""
+        return checkpoint_specs({n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()})
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's weights by HF name, on CPU (every rank gets them; for refit)."""
@@ -193,23 +213,16 @@ class FSDP2Backend:
                                                                          broadcast_from_rank0=False))
 
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
-        """This rank's part of every weight, by HF name: (global start of its box, tensor).
-        FSDP2 keeps Shard(0) chunks (torch.chunk's split); an unsharded model holds whole
-        tensors. With `dtype` the shards are cast copies (refit to a bf16 engine); without,
-        they are the live parameters themselves (no copy)."""
-        from hpc_rl.refit.layout import chunk_bounds
-
+        """This rank's part of every weight, by checkpoint name: (global start of its box,
+        tensor), read from each DTensor's placement (FSDP2's Shard(0) chunks, expert
+        parallel's blocks of experts); an unsharded model holds whole tensors. Fused experts
+        come as one view per expert. With `dtype` the shards are cast copies (refit to a bf16
+        engine); without, they are the live parameters themselves (no copy)."""
         out = {}
-        rank = dist.get_rank(self.group) if self.sharded else 0
-        world = dist.get_world_size(self.group) if self.sharded else 1
         for name, value in self.model.state_dict().items():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            a, b = chunk_bounds(value.shape[0], world)[rank]
-            if local.shape[0] != b - a:
-                raise RuntimeError(f"{name}: FSDP2 shard of {tuple(local.shape)} on rank {rank}, expected rows {a}..{b} "
-                                   f"of {tuple(value.shape)}")
+            start, local = box_of(value)
             local = local.detach()
             if dtype is not None and local.dtype != dtype:
                 local = local.to(dtype)
-            out[name] = (tuple([a] + [0] * (local.dim() - 1)), local)
+            out.update(checkpoint_shards(name, tuple(value.shape), start, local))
         return out

@@ -155,6 +155,21 @@ def expert_parallel(specs, ranks: Sequence[int], num_experts: int, other: Option
     return lay
 
 
+def from_boxes(specs: Mapping[str, Tuple[Sequence[int], str]],
+               boxes: Mapping[int, Mapping[str, Tuple[Sequence[int], Sequence[int]]]]) -> Layout:
+    """The layout a backend reports: for each rank, name -> (start, local shape) of the box
+    it holds (its `local_shards`). Any split works (FSDP2 chunks, expert blocks, replicas
+    across expert data-parallel groups); coverage is checked against the destination."""
+    lay = Layout()
+    for rank in sorted(boxes):
+        for name, (start, shape) in boxes[rank].items():
+            if name not in specs:
+                raise LayoutError(f"{name}: rank {rank} holds it, the refit specs do not name it")
+            lay.add(name, specs[name][0], specs[name][1],
+                    [Piece(rank, tuple(start), tuple(a + n for a, n in zip(start, shape)))])
+    return lay
+
+
 def merge(*layouts: Layout) -> Layout:
     """One layout from several (pipeline stages, replicas): pieces are concatenated."""
     out = Layout()

@@ -158,16 +158,19 @@ def _bind_cpu_workers(tp: int) -> None:
 
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
-                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch", engine_tp: int = 1):
-    """The refit group of `n_trainers` FSDP2 ranks (refit ranks 0..n-1, Shard(0) each) and
-    `n_engines` vLLM engines of tensor parallel `engine_tp` (engine g's workers are refit
-    ranks n + g*engine_tp + their TP rank, each keeping its TP slices). The first rank of
-    engine g is `engine_first_rank(n_trainers, g, engine_tp)`."""
-    from .layout import fsdp2, merge
+                domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch", engine_tp: int = 1,
+                src_boxes=None):
+    """The refit group of `n_trainers` trainer ranks (refit ranks 0..n-1) and `n_engines`
+    vLLM engines of tensor parallel `engine_tp` (engine g's workers are refit ranks
+    n + g*engine_tp + their TP rank, each keeping its TP slices). The source layout is what
+    the backend reports, `src_boxes[rank]` = name -> (start, local shape) (expert parallel,
+    FSDP2, ...), or without it FSDP2's Shard(0) of every tensor. The first rank of engine g
+    is `engine_first_rank(n_trainers, g, engine_tp)`."""
+    from .layout import from_boxes, fsdp2, merge
     from .session import RefitSetup
     from .vllm_layout import vllm_tp_layout
 
-    src = fsdp2(specs, list(range(n_trainers)))
+    src = from_boxes(specs, src_boxes) if src_boxes is not None else fsdp2(specs, list(range(n_trainers)))
     engines = [[engine_first_rank(n_trainers, g, engine_tp) + j for j in range(engine_tp)] for g in range(n_engines)]
     dst = merge(*[vllm_tp_layout(specs, ranks) for ranks in engines])
     names = {i: f"trainer:{i}" for i in range(n_trainers)}

@@ -47,13 +47,18 @@ class TrainerRole:
 
         cfg, r = self.cfg, self.routes
         setup = None
+        # The source layout is what each rank holds (its backend's boxes: FSDP2 chunks, blocks
+        # of experts), gathered once here, so the plan moves exactly each rank's bytes.
+        mine = {n: (start, tuple(t.shape)) for n, (start, t) in self.backend.local_shards().items()}
+        group = self.ctx.groups.role
+        boxes = exchange.gather_all(mine, group) if group is not None and dist.get_world_size(group) > 1 else [mine]
         if self.is_driver:
             engine_dtype = vllm_dtype(cfg.generator.precision)
             specs = {n: (shape, engine_dtype) for n, (shape, _) in self.backend.refit_specs().items()}
             setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=domain_of,
-                                engine_tp=cfg.generator.parallel.tp)
+                                engine_tp=cfg.generator.parallel.tp, src_boxes=dict(enumerate(boxes)))
             for g in r.generators:
                 exchange.send(setup, g)
         setup = exchange.share(setup, r.driver, self.ctx.groups.role)

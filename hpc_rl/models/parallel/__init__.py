@@ -1,0 +1,1 @@
+"""Parallel layouts of the torch backend beyond 1-D FSDP2."""
