@@ -30,8 +30,9 @@ class TrainerRole:
         self.is_driver = ctx.ident.global_rank == routes.driver
         self.backend: TrainingBackend = build_backend(cfg.trainer.backend, BackendSpec(
             cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer))
-        self.log.info("student %s loaded (%s over %d ranks, %s)", cfg.model.path, cfg.trainer.backend,
-                      self.backend.dp_size, cfg.trainer.precision)
+        ep = getattr(self.backend, "ep", None)
+        self.log.info("student %s loaded (%s over %d ranks%s, %s)", cfg.model.path, cfg.trainer.backend,
+                      self.backend.dp_size, f", expert parallel {ep.ep}" if ep else "", cfg.trainer.precision)
         self.refit_ep = None
         self._refit_cast = None
         self.refit_dtype = torch_dtype(cfg.generator.precision)

@@ -62,3 +62,12 @@ def checkpoint_shards(name: str, global_shape: Sequence[int], start: Sequence[in
         for suffix, rows, _ in _members(name, global_shape):
             out[f"{m.group('prefix')}.{start[0] + i}.{suffix}"] = ((0, 0), local[i, rows])
     return out
+
+
+def to_checkpoint_names(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A whole state dict with fused experts written per expert (what save_pretrained does,
+    and what vLLM's loader reads)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        out.update({n: v for n, (_, v) in checkpoint_shards(name, tuple(t.shape), (0,) * t.dim(), t).items()})
+    return out
