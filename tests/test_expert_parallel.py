@@ -211,3 +211,28 @@ def test_tiny_mopd_moe_three_steps_locally_with_ep2(tmp_path):
     assert all(r["token_mult_prob_error"] <= 1.001 and r["grad_norm"] > 0 for r in steps)
     assert "expert parallel 2" in (run / "logs" / "trainer.0.out").read_text()
     assert (run / "final_hf" / "config.json").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_tiny_mopd_moe_as_a_het_job_with_an_ep_group_over_two_nodes(local_slurm, tmp_path):
+    """The ep group spans two Slurm nodes of one NVLink domain (segment 2): two steps of the
+    MoE recipe as a het job, each refit leaving vLLM equal to the ep=2 trainer."""
+    import json
+    import subprocess
+    import sys
+
+    from hpc_rl.slurm.executor import job_from_run_dir
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd_moe", "cluster=local_slurm",
+                           "launcher=slurm", "launcher.wait=true", "trainer.nodes=2", "trainer.tasks_per_node=1",
+                           "run.max_steps=2", f"run.dir={run}", "algo.prompts_per_step=32", "trainer.global_batch_size=32",
+                           "data.samples_per_task=32", "data.eval_prompts_per_task=8"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["role"] for r in job_from_run_dir(run).results()][:2] == ["trainer", "trainer"]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["token_mult_prob_error"] <= 1.001 for r in steps)
+    assert "expert parallel 2" in (run / "logs" / "trainer.0.out").read_text()
