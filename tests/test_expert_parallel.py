@@ -66,7 +66,7 @@ def _run(tmp_path, world: int, ep: int, ckpt: Path):
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["ep2_of_2", "ep2_of_4_expert_dp2"])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2_of_2", "ep2_of_4_expert_dp2"])
 def test_ep2_equals_dp_only_logprobs_and_step(moe_ckpt, tmp_path, world):
     ranks = _run(tmp_path, world, 2, moe_ckpt)
     for got in ranks:
