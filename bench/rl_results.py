@@ -64,6 +64,7 @@ def main() -> int:
                             "met": all(v >= 0.5 for k, v in (s.get("reverse_kl_reduction") or {}).items() if k != "mean"),
                             "max_token_mult_prob_error_at_most": 1.001,
                             "refit_met": max(r["per_step_token_mult_prob_error"]) <= 1.001}
+            r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")  # run alone (--only moe): the file's time is the others'
             results["tiny_mopd_moe"] = r
             print(r["stdout_tail"])
         if "grpo" in parts:
