@@ -4,7 +4,7 @@ vLLM's sampling logprobs with the trainer after every refit (fp32 and bf16 engin
 Each part is a real launch (`python -m hpc_rl.launch +recipe=...`, local processes); the
 numbers come from the runs' summary.json and metrics.jsonl. Writes bench/results/rl.json.
 
-    python bench/rl_results.py [--only mopd,grpo,bf16]
+    python bench/rl_results.py [--only mopd,grpo,bf16,moe]
 """
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ def main() -> int:
             r["targets"] = {"reverse_kl_cut_at_least": 0.5,
                             "met": all(v >= 0.5 for k, v in (s.get("reverse_kl_reduction") or {}).items() if k != "mean")}
             results["tiny_mopd"] = r
+            print(r["stdout_tail"])
+        if "moe" in parts:
+            # the MoE student with expert parallel 2 (issue #13): the same demo, its own assets
+            r = launch(tmp / "moe", "+recipe=tiny_mopd_moe")
+            s = r["summary"]
+            r["reverse_kl_reduction"] = s.get("reverse_kl_reduction")
+            r["targets"] = {"reverse_kl_cut_at_least": 0.5,
+                            "met": all(v >= 0.5 for k, v in (s.get("reverse_kl_reduction") or {}).items() if k != "mean"),
+                            "max_token_mult_prob_error_at_most": 1.001,
+                            "refit_met": max(r["per_step_token_mult_prob_error"]) <= 1.001}
+            r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")  # run alone (--only moe): the file's time is the others'
+            results["tiny_mopd_moe"] = r
             print(r["stdout_tail"])
         if "grpo" in parts:
             r = launch(tmp / "grpo", "+recipe=tiny_grpo")

@@ -171,9 +171,10 @@ def test_rules_and_facts_name_schema_keys():
 
 
 def test_refused_architectures_follow_the_backend():
-    from hpc_rl.models.fsdp2 import SUPPORTED_ARCHITECTURES
+    from hpc_rl.models.fsdp2 import ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES
 
-    assert {a.removesuffix("ForCausalLM").lower() for a in SUPPORTED_ARCHITECTURES} == set(ARCHITECTURES)
+    assert set(ARCHITECTURE_NAMES) == set(SUPPORTED_ARCHITECTURES)
+    assert set(ARCHITECTURE_NAMES.values()) == set(ARCHITECTURES)
 
 
 # -- the walk over real runs ------------------------------------------------------------------

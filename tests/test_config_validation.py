@@ -127,16 +127,16 @@ UNSUPPORTED = [
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "one vLLM engine per generator rank"),
     (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
      "not both in one model"),
-    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "no expert parallelism"),
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
     (TINY + ["algo.async_rollout.enabled=true"], "algo.async_rollout.enabled", "lock-step"),
     (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
-    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama and qwen2 checkpoints only"),
+    (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
+    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2 and qwen3_moe checkpoints only"),
     (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
-    (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "no expert parallelism"),
+    (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "only for an MoE student"),
     (ULTRA, "algo.async_rollout.in_flight_weight_updates", "asynchronous rollouts"),
 ]
 
@@ -149,7 +149,7 @@ def test_unsupported_settings_are_valid_but_refused_naming_key_and_fix(overrides
     assert key in found[0].fix
 
 
-@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
+@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_mopd_moe", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
 def test_shipped_runnable_recipes_ask_for_nothing_unsupported(recipe):
     assert unsupported(load_config([f"+recipe={recipe}"])) == []
 

@@ -78,8 +78,11 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
 
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True or choose another directory")
+    from hpc_rl.models.parallel.expert_names import to_checkpoint_names
+
     for name in _tied_output_names(model):
         state.pop(name, None)
+    state = to_checkpoint_names(state)  # MoE: one tensor per expert, as HF and vLLM load them
     # safetensors refuses tensors that share storage or are non-contiguous views; clone to own each.
     state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone() for k, v in state.items()}
 

@@ -3,7 +3,8 @@
 `validate` (validate.py) finds configs that are wrong: always fatal, also for the dry run.
 `unsupported` finds configs that are right but ask for something the runtime of this
 version does not do (context/expert/pipeline parallel training beyond what the chosen backend has,
-async rollouts, a reference-KL penalty, checkpoints the chosen backend cannot load). Real launches (launcher=local|slurm, a hand-submitted
+expert parallel outside MoE students, async rollouts, a reference-KL penalty, checkpoints the chosen backend
+cannot load). Real launches (launcher=local|slurm, a hand-submitted
 script) refuse them; the dry run still plans and renders such a recipe (the flagship
 ultra_mopd is one) and lists them with `render_unsupported`.
 
@@ -63,7 +64,8 @@ class Fact:
 
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
+MOE_ARCHITECTURES = ("qwen3_moe",)  # expert parallel (models/parallel/expert_parallel.py) splits their experts
 # ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
 # tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
 MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -100,13 +102,30 @@ def _parallel_rules(section: str, problem: str, fix: str, dims=None,
             for dim, name in (dims or _DIMS).items()]
 
 
+def _trainer_ep_runs(cfg: RunConfig) -> bool:
+    """The torch backend's expert parallel: an MoE student whose experts count is declared
+    (validate.py checks ep divides it, rl/inputs.py that the checkpoint has that many), ep
+    groups of consecutive data-parallel ranks, no tensor/context/pipeline parallel beside it."""
+    t = cfg.trainer
+    return (t.backend == "fsdp2" and cfg.model.architecture in MOE_ARCHITECTURES and bool(cfg.model.num_experts)
+            and t.parallel.tp == 1 and t.parallel.cp == 1 and t.parallel.pp == 1 and t.parallel.etp == 1)
+
+
 RULES: List[Rule] = [
     # trainer.backend=megatron: accepted on GPU clusters (validate.py refuses it where
     # cluster.gpus_per_node=0: megatron-core has no CPU path). Megatron honours tp, cp, ep,
     # etp, pp and sequence parallel, for the student and for inference-only teachers.
     *_parallel_rules("trainer", _FSDP2.replace("{who}", "trainer"),
                      "set {key}=1 (trainer.parallel.tp/cp split the model/sequence; dp is derived from the trainer's ranks), "
-                     "or trainer.backend=megatron on a GPU cluster", _FSDP2_LACKS, applies=_fsdp2),
+                     "or trainer.backend=megatron on a GPU cluster", {d: n for d, n in _FSDP2_LACKS.items() if d != "ep"},
+                     applies=_fsdp2),
+    Rule("trainer.parallel.ep", _above_one,
+         f"the fsdp2 backend splits experts over ranks only for an MoE student (model.architecture one of "
+         f"{list(MOE_ARCHITECTURES)}, with model.num_experts set) and without tensor, context, pipeline or "
+         f"expert tensor parallel beside it; otherwise expert parallelism would be ignored",
+         "set {key}=1, or train an MoE checkpoint: model.architecture=qwen3_moe, model.num_experts=<its experts>, "
+         "trainer.parallel.tp/cp/pp/etp=1 (or trainer.backend=megatron on a GPU cluster)", example=2,
+         applies=lambda cfg: _fsdp2(cfg) and not _trainer_ep_runs(cfg)),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
                      "set {key}=1 (parallel.tp/cp split the teacher/sequence; dp is derived from the teacher group's ranks)",
                      _FSDP2_LACKS, applies=_fsdp2),
@@ -121,8 +140,8 @@ RULES: List[Rule] = [
          "env ranks run verifiers and load no model, so a precision would be ignored",
          f"leave env.precision at {_ENV_PRECISION!r} (remove it from the recipe)", example="fp32"),
     Rule("model.architecture", lambda v: v not in ARCHITECTURES,
-         f"the fsdp2 backend of this version loads {' and '.join(ARCHITECTURES)} checkpoints only "
-         "(Hugging Face LlamaForCausalLM, Qwen2ForCausalLM)",
+         f"the fsdp2 backend of this version loads {', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]} checkpoints "
+         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
          example="nemotron_h", applies=_fsdp2),
     Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,

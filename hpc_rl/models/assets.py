@@ -1,4 +1,4 @@
-"""Tiny Llama-architecture models built and briefly trained on this CPU, cached on disk.
+"""Tiny Llama (and Qwen3-MoE) models built and briefly trained on this CPU, cached on disk.
 
 A student that has seen a little of every task, and one teacher per task that has seen
 a lot of its own: the smallest setting in which multi-teacher distillation has something
@@ -7,6 +7,7 @@ Everything is deterministic for a spec, so the cache key is the spec's hash; a b
 goes to a temporary directory renamed into place when complete.
 
     python -m hpc_rl.models.assets            # build (or find) the assets, print where
+    python -m hpc_rl.models.assets moe        # the mixture-of-experts set (MOE_ASSETS)
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class MoeModelSpec:
+    """A Qwen3-MoE (HF `Qwen3MoeForCausalLM`, which vLLM also serves): every layer's MLP is
+    `experts` routed experts, `top_k` per token. A class of its own, so that the dense
+    assets' cache key (the spec's fields) does not move."""
+
+    hidden: int = 64
+    expert_intermediate: int = 96
+    experts: int = 4
+    top_k: int = 2
+    layers: int = 2
+    heads: int = 2  # head_dim 32: the smallest vLLM's CPU attention has a kernel for
+    max_positions: int = 256
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     tasks: Tuple[str, ...]
     steps: int
@@ -69,6 +85,18 @@ class AssetSpec:
     def key(self) -> str:
         blob = json.dumps([ASSET_VERSION, dataclasses.asdict(self)], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# The MoE set: a student and an addition teacher of the MoE architecture, trained like the
+# dense ones (same tokenizer, so a dense teacher can score an MoE student's rows).
+MOE_ASSETS = AssetSpec(
+    model=MoeModelSpec(),
+    models=(
+        ("student", TrainSpec(("addition_1digit", "multiplication_1digit"), steps=200, batch=32, lr=3e-3, seed=1)),
+        ("teacher_add", TrainSpec(("addition_1digit",), steps=400, batch=32, lr=3e-3, seed=2)),
+    ),
+)
+ASSET_SETS = {"tiny": AssetSpec(), "tiny_moe": MOE_ASSETS}  # model references `tiny:<name>`, `tiny_moe:<name>`
 
 
 def default_root() -> Path:
@@ -100,10 +128,12 @@ def _batch(tok, samples: Sequence[dict]) -> Dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": attn}
 
 
-def new_model(spec: ModelSpec, vocab_size: int, tok, seed: int):
+def new_model(spec, vocab_size: int, tok, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    if isinstance(spec, MoeModelSpec):
+        return _new_moe(spec, vocab_size, tok)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                       num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
                       max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
@@ -112,7 +142,21 @@ def new_model(spec: ModelSpec, vocab_size: int, tok, seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def save_untrained(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
+def _new_moe(spec: MoeModelSpec, vocab_size: int, tok):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.expert_intermediate,
+                         moe_intermediate_size=spec.expert_intermediate, num_experts=spec.experts,
+                         num_experts_per_tok=spec.top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+                         head_dim=spec.hidden // spec.heads, max_position_embeddings=spec.max_positions,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.convert_tokens_to_ids("<|end|>"),
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, output_router_logits=False,
+                         torch_dtype="float32")
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def save_untrained(path: Path, spec, seed: int = 0) -> Path:
     """A randomly initialised, self-contained checkpoint (weights + tokenizer): for tests and
     benchmarks that need a real HF directory but no trained behaviour."""
     tok = build_tokenizer(Path(path))
@@ -125,11 +169,14 @@ def sft(model, tok, train: TrainSpec, log: Callable[[str], None] = print) -> flo
     opt = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=train.lr, total_steps=train.steps, pct_start=0.1)
     per_task = train.batch // len(train.tasks)
+    # MoE: the router's load-balancing loss joins the loss during this training only, so the
+    # experts all get tokens (an expert-parallel test with one idle expert would prove less)
+    moe_kwargs = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
     model.train()
     loss_val = float("nan")
     for step in range(train.steps):
         samples = [s for t in train.tasks for s in task_gen.GENERATORS[t](per_task, seed=train.seed * 100003 + step)]
-        out = model(**_batch(tok, samples))
+        out = model(**_batch(tok, samples), **moe_kwargs)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -203,6 +250,6 @@ def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log
 
 if __name__ == "__main__":
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    assets = build_assets()
+    assets = build_assets(ASSET_SETS["tiny_moe" if sys.argv[1:] == ["moe"] else "tiny"])
     print(json.dumps({"root": str(assets.root), **assets.manifest["models"]}, indent=2))
     sys.exit(0)

@@ -19,8 +19,13 @@ import torch.distributed as dist
 from hpc_rl.precision import torch_dtype
 
 from .backend import BackendSpec, LossFn, Shards
+from .parallel.expert_names import checkpoint_shards, checkpoint_specs
+from .parallel.expert_parallel import (EPGroups, clip_grad_norm, expert_param_groups,
+                                       finish_expert_grads, shard_experts)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+# HF class -> model.architecture (config/support.py ARCHITECTURES lists the same values)
+ARCHITECTURE_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_NAMES)
 
 
 class CheckpointError(ValueError):
@@ -28,7 +33,7 @@ class CheckpointError(ValueError):
 
 
 def check_checkpoint(path: str) -> dict:
-    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2
+    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2/Qwen3-MoE
     checkpoint with its tokenizer; returns its config."""
     p = Path(path)
     if not (p / "config.json").exists():
@@ -84,8 +89,10 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 
 class FSDP2Backend:
-    """Data parallel (FSDP2: every dp rank holds a Shard(0) chunk of each weight), and with
-    `parallel.tp > 1` DTensor tensor parallel inside each dp rank (models/parallel/)."""
+    """Data parallel (FSDP2: every dp rank holds a Shard(0) chunk of each weight); with
+    `parallel.tp > 1` DTensor tensor parallel inside each dp rank, with `parallel.cp > 1`
+    context parallel; with `parallel.ep > 1` (an MoE model) each group of `ep` consecutive
+    ranks splits the experts (expert_parallel.py) and FSDP2 shards the rest (models/parallel/)."""
 
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> "FSDP2Backend":
@@ -128,14 +135,21 @@ class FSDP2Backend:
             from .parallel.context_parallel import enable
 
             enable(model)
+        self.ep, self.expert_params = None, []
+        if self.dims.ep > 1:  # validation allows it without tp/cp only (config/support.py)
+            if not self.sharded or self.dims.tp > 1 or self.dims.cp > 1:
+                raise ValueError(f"expert parallel {self.dims.ep} needs several trainer ranks and no tensor/context parallel")
+            self.ep = EPGroups(group, self.dims.ep, self.device.type)
+            self.expert_params = shard_experts(model, self.ep)
         if self.dims.dp * self.dims.cp > 1:
             # FSDP2 over dp (x tp inside) or, with cp, over the dp x cp ranks: the whole group
             tp_inside = self.dims.tp > 1
             dp_mesh = self.mesh["dp"] if tp_inside else DeviceMesh.from_group(group, device_type=self.device.type)
             mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
+            ignored = set(self.expert_params) or None  # expert parallel owns those
             for layer in model.model.layers:
-                fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+                fully_shard(layer, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.step_count = 0
@@ -144,7 +158,8 @@ class FSDP2Backend:
             o = self.optim_cfg
             if o.name not in OPTIMIZERS:
                 raise ValueError(f"trainer.optimizer.name={o.name!r}: this backend has {sorted(OPTIMIZERS)}")
-            self.optimizer = OPTIMIZERS[o.name](model.parameters(), lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
+            params = expert_param_groups(model, self.expert_params) if self.ep else model.parameters()
+            self.optimizer = OPTIMIZERS[o.name](params, lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay)
         else:
             model.eval()
@@ -212,7 +227,11 @@ class FSDP2Backend:
             share = (rows.stop - rows.start) / n
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + share * float(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        if self.ep:
+            finish_expert_grads(self.expert_params, self.ep)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.optim_cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -238,7 +257,8 @@ class FSDP2Backend:
         return out[:, input_ids.shape[1]:].cpu()
 
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+        """Global shapes by checkpoint name (fused experts as one tensor per expert)."""
+        return checkpoint_specs({n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()})
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's weights by HF name, on CPU (every rank gets them; for refit)."""
@@ -250,10 +270,11 @@ class FSDP2Backend:
                                                                          broadcast_from_rank0=False))
 
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
-        """This rank's part of every weight, by HF name: (global start of its box, tensor),
-        read from the parameters' own placements (FSDP2's Shard(0) chunks, tensor parallel
-        column/row slices, both; whole tensors when unsharded). With `dtype` the shards are
-        cast copies (refit to a bf16 engine); without, the live parameters (no copy)."""
+        """This rank's part of every weight, by checkpoint name: (global start of its box,
+        tensor), read from the parameters' own placements (FSDP2's Shard(0) chunks, tensor
+        parallel column/row slices, expert parallel's blocks of experts; whole tensors when
+        unsharded). Fused experts come as one view per expert. With `dtype` the shards are cast
+        copies (refit to a bf16 engine); without, the live parameters themselves (no copy)."""
         from .parallel.shards import local_box
 
         out = {}
@@ -262,13 +283,14 @@ class FSDP2Backend:
             local = local.detach()
             if dtype is not None and local.dtype != dtype:
                 local = local.to(dtype)
-            out[name] = (start, local)
+            out.update(checkpoint_shards(name, tuple(value.shape), start, local))
         return out
 
     def source_layout(self, dtype_name: str):
         """The refit source layout of the group (ranks in group order), from every rank's
         live boxes; a collective of the group."""
-        from .parallel.shards import gather_source_layout, local_boxes
+        from .parallel.shards import gather_source_layout
 
         specs = {n: (shape, dtype_name) for n, (shape, _) in self.refit_specs().items()}
-        return gather_source_layout(local_boxes(self.model.state_dict()), specs, self.group if self.sharded else None)
+        boxes = {n: (start, tuple(a + k for a, k in zip(start, t.shape))) for n, (start, t) in self.local_shards().items()}
+        return gather_source_layout(boxes, specs, self.group if self.sharded else None)

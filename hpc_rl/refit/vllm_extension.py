@@ -112,6 +112,8 @@ class RefitWorkerExtension:
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
 
+        from hpc_rl.refit.vllm_moe_reload import prepack_reloaded_experts
+
         model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
             t0 = time.perf_counter()
@@ -120,6 +122,7 @@ class RefitWorkerExtension:
             model.load_weights(weights)
             t2 = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+            prepack_reloaded_experts(model)  # MoE on CPU: what vLLM's reload skips (refit/vllm_moe_reload.py)
         return {"init_s": t1 - t0, "finalize_s": time.perf_counter() - t2}
 
     def hpc_rl_raw_receive(self, sizes: Dict[int, List[int]], timeout_s: float, ready_key: str) -> Dict[str, float]:

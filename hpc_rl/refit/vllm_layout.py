@@ -30,6 +30,10 @@ FUSED_MEMBERS = {
     "up_proj": ("gate_up_proj", 1),
 }
 _MEMBER = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+# One routed expert's tensor, as checkpoints and vLLM's MoE loader name it; vLLM stacks
+# every expert of a layer into `...experts.<...>w13_weight` [E, 2I, H] (gate, up) and
+# `w2_weight` [E, H, I] (down), and tensor parallel splits I (column gate/up, row down)
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class FusedTarget:
 
 def vllm_name(hf_name: str) -> str:
     m = _MEMBER.search(hf_name)
+    if _EXPERT.match(hf_name):  # loaded through the MoE layer's expert mapping, not a fused linear
+        return hf_name
     if not m:
         return hf_name
     return hf_name.replace(f".{m.group(1)}.", f".{FUSED_MEMBERS[m.group(1)][0]}.")
@@ -82,7 +88,7 @@ def fused_targets(specs: Specs, tp_size: int) -> Dict[str, FusedTarget]:
     out: Dict[str, FusedTarget] = {}
     groups: Dict[str, List[str]] = {}
     for name in specs:
-        if _MEMBER.search(name):
+        if _MEMBER.search(name) and not _EXPERT.match(name):
             groups.setdefault(vllm_name(name), []).append(name)
     order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
     for param, members in groups.items():
@@ -105,6 +111,9 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
     targets = fused_targets(specs, tp_size)
     fused_rows: Dict[str, int] = {}
     for name, (shape, dtype) in specs.items():
+        if _EXPERT.match(name):
+            problems += _expert_problems(name, shape, dtype, params, tp_size)
+            continue
         target = vllm_name(name)
         if target not in params:
             problems.append(f"{name}: vLLM's model has no parameter {target}; is the checkpoint's architecture "
@@ -133,6 +142,25 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
             problems.append(f"{param}: its members add up to {rows} rows, vLLM's parameter has {params[param][0][0]}")
     if problems:
         raise LayoutError("the trainer's weights do not map onto vLLM's model:\n  " + "\n  ".join(problems))
+
+
+def _expert_problems(name: str, shape: Sequence[int], dtype: str, params: Mapping[str, Tuple[Sequence[int], str]],
+                    tp_size: int) -> List[str]:
+    """One expert's HF tensor against the layer's stacked vLLM parameter."""
+    m = _EXPERT.match(name)
+    down = m.group("kind") == "down_proj"
+    suffix = "w2_weight" if down else "w13_weight"
+    found = [p for p in params if p.startswith(m.group("prefix") + ".") and p.endswith(suffix)]
+    if len(found) != 1:
+        return [f"{name}: vLLM's model has no single {m.group('prefix')}.*{suffix} to load it into (found {found})"]
+    vshape, vdtype = params[found[0]]
+    problems = [] if vdtype == dtype else [f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {found[0]})"]
+    rows, cols = shape
+    want = (rows, cols // tp_size) if down else (2 * rows // tp_size, cols)
+    if len(vshape) != 3 or int(m.group("e")) >= vshape[0] or tuple(vshape[1:]) != want:
+        problems.append(f"{name}: shape {tuple(shape)} does not fit expert {m.group('e')} of vLLM's {found[0]} "
+                        f"{tuple(vshape)} (per expert {want} expected)")
+    return problems
 
 
 def specs_of(state: Mapping[str, object], dtype: Optional[str] = None) -> Dict[str, Tuple[Tuple[int, ...], str]]:

@@ -1,8 +1,8 @@
 """The RL run's inputs, checked on the launching machine before any rank starts.
 
 - model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
-  tokenizer, or `tiny:<name>`, one of the tiny models built on this machine
-  (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
+  tokenizer, or `tiny:<name>` / `tiny_moe:<name>`, one of the tiny models built on this
+  machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
 - the prompts: data.path (JSONL), or data.tasks generated into <run_dir>/data/train.jsonl.
   A malformed row names its file and line (or is skipped and counted: data.skip_invalid).
@@ -31,15 +31,16 @@ TRAIN_FILE = "data/train.jsonl"
 
 
 def resolve_model_ref(ref: str) -> str:
-    """`tiny:<name>` -> the built asset's directory; anything else is returned as given."""
-    if not ref.startswith(TINY_PREFIX):
-        return ref
-    from hpc_rl.models.assets import build_assets
+    """`tiny:<name>` (or `tiny_moe:<name>`) -> the built asset's directory; anything else is
+    returned as given."""
+    from hpc_rl.models.assets import ASSET_SETS, build_assets
 
-    name = ref[len(TINY_PREFIX):]
-    assets = build_assets(log=lambda line: print(line, flush=True))
+    kind, sep, name = ref.partition(":")
+    if not sep or kind not in ASSET_SETS:
+        return ref
+    assets = build_assets(ASSET_SETS[kind], log=lambda line: print(line, flush=True))
     if name not in assets.paths:
-        raise KeyError(f"{ref!r}: no tiny model named {name!r}; built: {sorted(TINY_PREFIX + n for n in assets.paths)}")
+        raise KeyError(f"{ref!r}: no tiny model named {name!r}; built: {sorted(f'{kind}:{n}' for n in assets.paths)}")
     return str(assets[name])
 
 
@@ -119,6 +120,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     if resolved:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
+        _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
         p = _check_model(out, f"teachers.{alias}.checkpoint", t.checkpoint)
         if p:
@@ -158,6 +160,22 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     if out:
         raise ConfigError(out)
     return cfg, dataset
+
+
+def _check_experts(out: List[Violation], cfg: RunConfig) -> None:
+    """model.num_experts is what validation checks expert parallel sizes against: it must be
+    the checkpoint's own count (a dense checkpoint has none)."""
+    import json
+
+    declared = cfg.model.num_experts
+    if not declared and cfg.trainer.parallel.ep == 1:
+        return
+    hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    have = hf.get("num_experts") or hf.get("num_local_experts") or None  # transformers 5 writes the latter
+    if declared != have:
+        out.append(Violation("model.num_experts", declared, f"the checkpoint {cfg.model.path} has "
+                             f"{have or 'no'} routed experts per MoE layer",
+                             f"set model.num_experts={have}" if have else "set model.num_experts=null and trainer.parallel.ep=1"))
 
 
 def _check_resumable(out: List[Violation], cfg: RunConfig) -> None:

@@ -32,7 +32,8 @@ def local_boxes(state: Dict[str, torch.Tensor]) -> Dict[str, Box]:
 def gather_source_layout(boxes: Dict[str, Box], specs: Dict[str, Tuple[Tuple[int, ...], str]],
                          group: Optional[dist.ProcessGroup]):
     """The refit source Layout: every rank of `group` (refit ranks 0..n-1 in group order)
-    and the boxes it holds; a box held by several ranks (tp replicas of a norm, dp replicas)
+    and the boxes it holds (by checkpoint name: per-expert tensors on the ep ranks that hold
+    them); a box held by several ranks (tp replicas of a norm, dp or expert-dp replicas)
     is a replica the planner may read from any of them. A collective of the group."""
     from hpc_rl.refit.layout import Layout, Piece
 
@@ -41,6 +42,11 @@ def gather_source_layout(boxes: Dict[str, Box], specs: Dict[str, Tuple[Tuple[int
     if n > 1:
         dist.all_gather_object(every, boxes, group=group)
     lay = Layout()
+    for r in range(n):
+        unknown = sorted(set(every[r]) - set(specs))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: rank {r} holds it, the refit specs do not name it")
     for name, (shape, dtype) in specs.items():
-        lay.add(name, shape, dtype, [Piece(r, every[r][name][0], every[r][name][1]) for r in range(n)])
+        # a rank that holds no piece of a tensor (another ep rank's experts) adds none
+        lay.add(name, shape, dtype, [Piece(r, every[r][name][0], every[r][name][1]) for r in range(n) if name in every[r]])
     return lay

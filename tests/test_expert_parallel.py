@@ -1,0 +1,238 @@
+"""Expert parallel in the torch backend (issue #13): a tiny Qwen3-MoE over gloo ranks, ep=2
+against dp-only FSDP2 on the same ranks and rows, fp32; expert names for checkpoints/vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hpc_rl.models.assets import MoeModelSpec, save_untrained
+from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig, check_checkpoint
+from hpc_rl.models.parallel.expert_names import checkpoint_shards, checkpoint_specs
+
+SPEC = MoeModelSpec(hidden=32, expert_intermediate=48, experts=4, top_k=2, layers=2, heads=2, max_positions=64)
+OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05)  # a small clip: the clipped path is compared too
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory) -> Path:
+    return save_untrained(tmp_path_factory.mktemp("moe"), SPEC, seed=0)
+
+
+def _batch(rows: int = 8):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 100, (rows, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0
+    attn[3, 6:] = 0
+    return ids, attn
+
+
+def _loss(mask):
+    def fn(lp, rows):
+        m = mask[rows].float()
+        return -(lp * m).sum() / mask.float().sum(), {}
+    return fn
+
+
+def _worker(rank: int, world: int, ep: int, ckpt: str, store_path: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        ids, attn = _batch()
+        ids, attn = ids[rank::world], attn[rank::world]  # each rank its strided rows, as the trainer does
+        got = {}
+        for name, size in (("dp", 1), ("ep", ep)):
+            torch.manual_seed(0)
+            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, ep=size)
+            got[name] = {"before": b.logprobs(ids, attn),
+                         "metrics": b.train_step(ids, attn, _loss(attn), micro_batch_size=2),
+                         "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
+                         "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
+                         "specs": b.refit_specs()}
+        torch.save(got, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, world: int, ep: int, ckpt: Path):
+    out = tmp_path / f"w{world}"
+    mp.start_processes(_worker, args=(world, ep, str(ckpt), str(tmp_path / f"store{world}"), str(out)), nprocs=world,
+                       join=True, start_method="spawn")
+    return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2_of_2", "ep2_of_4_expert_dp2"])
+def test_ep2_equals_dp_only_logprobs_and_step(moe_ckpt, tmp_path, world):
+    ranks = _run(tmp_path, world, 2, moe_ckpt)
+    for got in ranks:
+        dp, ep = got["dp"], got["ep"]
+        assert (ep["before"] - dp["before"]).abs().max() <= 1e-5
+        assert ep["metrics"]["loss"] == pytest.approx(dp["metrics"]["loss"], rel=1e-5)
+        assert ep["metrics"]["grad_norm"] == pytest.approx(dp["metrics"]["grad_norm"], rel=1e-5)
+        assert dp["metrics"]["grad_norm"] > OPT.grad_clip  # the clip applied
+        assert (ep["after"] - dp["after"]).abs().max() <= 1e-5
+        assert not torch.allclose(dp["after"], dp["before"], atol=1e-4)  # the step moved the model
+    state_dp, state_ep = ranks[0]["dp"]["state"], ranks[0]["ep"]["state"]
+    assert set(state_dp) == set(state_ep) and any(".experts.gate_up_proj" in n for n in state_ep)
+    for name, t in state_dp.items():
+        assert (state_ep[name] - t).abs().max() <= 1e-5, name
+    # refit source layout: each rank's experts whole, by checkpoint name, half of them per ep rank
+    assert ranks[0]["ep"]["specs"] == ranks[0]["dp"]["specs"]
+    experts = [{n for n in r["ep"]["shards"] if ".experts." in n} for r in ranks]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in experts[0]
+    assert {n.split(".experts.")[1].split(".")[0] for n in experts[0]} == {"0", "1"}
+    assert {n.split(".experts.")[1].split(".")[0] for n in experts[1]} == {"2", "3"}
+    assert all(ranks[0]["ep"]["shards"][n] == ((0, 0), (48, 32)) for n in experts[0] if "gate_proj" in n)
+    if world == 4:  # ranks 2, 3 are the second ep group: the same experts as 0, 1
+        assert experts[2] == experts[0] and experts[3] == experts[1]
+
+
+def test_expert_names_split_fused_tensors_into_views():
+    specs = {"m.experts.gate_up_proj": ((4, 6, 5), torch.float32), "m.experts.down_proj": ((4, 5, 3), torch.float32),
+             "m.gate.weight": ((4, 5), torch.float32)}
+    got = checkpoint_specs(specs)
+    assert got["m.experts.3.gate_proj.weight"] == ((3, 5), torch.float32)
+    assert got["m.experts.0.up_proj.weight"] == ((3, 5), torch.float32)
+    assert got["m.experts.2.down_proj.weight"] == ((5, 3), torch.float32) and got["m.gate.weight"][0] == (4, 5)
+    assert len(got) == 4 * 3 + 1
+    live = torch.arange(2 * 6 * 5, dtype=torch.float32).reshape(2, 6, 5)
+    shards = checkpoint_shards("m.experts.gate_up_proj", (4, 6, 5), (2, 0, 0), live)
+    assert set(shards) == {f"m.experts.{e}.{k}_proj.weight" for e in (2, 3) for k in ("gate", "up")}
+    start, up3 = shards["m.experts.3.up_proj.weight"]
+    assert start == (0, 0) and torch.equal(up3, live[1, 3:]) and up3.data_ptr() == live[1, 3:].data_ptr()
+    with pytest.raises(RuntimeError, match="splits experts"):
+        checkpoint_shards("m.experts.down_proj", (4, 5, 3), (0, 2, 0), live[:, :3, :3])
+
+
+def test_moe_checkpoint_is_accepted_and_ep_needs_moe(moe_ckpt, tmp_path):
+    assert check_checkpoint(str(moe_ckpt))["architectures"] == ["Qwen3MoeForCausalLM"]
+    from hpc_rl.models.parallel.expert_parallel import shard_experts
+
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        shard_experts(dense, groups=None)
+
+
+MOE = ["+recipe=tiny_mopd_moe", "launcher=dry_run"]
+
+
+def test_ep_is_honoured_for_the_moe_recipe_and_refused_elsewhere():
+    from hpc_rl.config import ConfigError, load_config
+    from hpc_rl.config.support import unsupported
+
+    cfg = load_config(MOE)
+    assert cfg.trainer.parallel.ep == 2 and unsupported(cfg) == []
+    for extra, why in ((["model.num_experts=null"], "model.num_experts set"),
+                       (["model.architecture=llama"], "only for an MoE student"),
+                       (["trainer.parallel.tp=2", "trainer.tasks_per_node=4"], "without tensor")):
+        found = [v for v in unsupported(load_config(MOE + extra)) if v.key == "trainer.parallel.ep"]
+        assert found and why in found[0].problem, extra
+    with pytest.raises(ConfigError, match="4 experts, which EP 3 does not split"):
+        load_config(MOE + ["trainer.tasks_per_node=3", "trainer.parallel.ep=3"])
+    assert [v.key for v in unsupported(load_config(MOE + ["+teachers.add.tasks_per_node=2",
+                                                          "+teachers.add.parallel.ep=2"]))] == ["teachers.add.parallel.ep"]
+
+
+def test_launch_checks_the_declared_experts_against_the_checkpoint(moe_ckpt):
+    from hpc_rl.config.errors import Violation
+    from hpc_rl.config import load_config
+    from hpc_rl.rl.inputs import _check_experts
+
+    for declared, ok in ((4, True), (8, False)):
+        cfg = load_config(MOE + [f"model.num_experts={declared}"])
+        cfg.model.path = str(moe_ckpt)
+        out: list = []
+        _check_experts(out, cfg)
+        assert (out == []) == ok and all(isinstance(v, Violation) and v.key == "model.num_experts" for v in out)
+
+
+def test_export_writes_experts_one_tensor_each_and_reloads(moe_ckpt, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rl.ckpt.export import export_hf
+
+    backend = FSDP2Backend(str(moe_ckpt), train=False)
+    out = export_hf(backend, tmp_path / "hf", tokenizer_dir=moe_ckpt)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and not any(n.endswith("gate_up_proj") for n in names)
+    ids, attn = _batch()
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(again(input_ids=ids, attention_mask=attn).logits, backend.model(input_ids=ids, attention_mask=attn).logits)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_refit_from_an_ep2_trainer_into_vllm(tmp_path):
+    """Two ep ranks send their own experts (and FSDP2 chunks) into a live fp32 vLLM engine:
+    stale before (the step moved the weights), equal to the trainer after."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "refit_moe.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "refit_moe.py"), "--out", str(out)], capture_output=True,
+                          text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["before_refit"]["token_mult_prob_error"] > 1.01, doc["before_refit"]
+    assert doc["after_refit"]["token_mult_prob_error"] <= 1.001 and doc["after_refit"]["tokens"] >= 100
+    held = doc["expert_bytes_held_per_trainer_rank"]
+    assert held["0"] == held["1"] > 0  # two experts of every layer each
+    assert doc["trainer_exit_codes"] == [0, 0] and proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_tiny_mopd_moe_three_steps_locally_with_ep2(tmp_path):
+    """The MoE recipe end to end (ep=2 trainer ranks, vLLM serving the MoE, an MoE and a
+    dense teacher): after every step's refit, vLLM's sampling log-probs equal the ep=2
+    trainer's recomputation; a checkpoint of the ep-sharded model is written and exported."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd_moe", "run.max_steps=3",
+                           f"run.dir={run}", "checkpoint.every_steps=2", "algo.prompts_per_step=32",
+                           "trainer.global_batch_size=32", "data.samples_per_task=32", "data.eval_prompts_per_task=8"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["token_mult_prob_error"] <= 1.001 and r["grad_norm"] > 0 for r in steps)
+    assert "expert parallel 2" in (run / "logs" / "trainer.0.out").read_text()
+    assert (run / "final_hf" / "config.json").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_tiny_mopd_moe_as_a_het_job_with_an_ep_group_over_two_nodes(local_slurm, tmp_path):
+    """The ep group spans two Slurm nodes of one NVLink domain (segment 2): two steps of the
+    MoE recipe as a het job, each refit leaving vLLM equal to the ep=2 trainer."""
+    import json
+    import subprocess
+    import sys
+
+    from hpc_rl.slurm.executor import job_from_run_dir
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd_moe", "cluster=local_slurm",
+                           "launcher=slurm", "launcher.wait=true", "trainer.nodes=2", "trainer.tasks_per_node=1",
+                           "run.max_steps=2", f"run.dir={run}", "algo.prompts_per_step=32", "trainer.global_batch_size=32",
+                           "data.samples_per_task=32", "data.eval_prompts_per_task=8"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["role"] for r in job_from_run_dir(run).results()][:2] == ["trainer", "trainer"]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["token_mult_prob_error"] <= 1.001 for r in steps)
+    assert "expert parallel 2" in (run / "logs" / "trainer.0.out").read_text()
