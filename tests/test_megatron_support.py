@@ -86,3 +86,40 @@ def test_the_gpu_check_says_it_did_not_run_without_cuda(tmp_path):
                           capture_output=True, text=True, timeout=120)
     doc = json.loads(out.read_text())
     assert proc.returncode == 3 and doc["ran"] is False and "CUDA" in doc["why"]
+
+
+class _KeyedBackend:
+    """A backend whose shards are plain local tensors keyed by its own names (what the
+    megatron backend hands hpc_rl/ckpt through dcp_state / load_dcp_state), on CPU."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(4, 3)
+        self.optimizer = None
+        self.step_count = 0
+        self.loaded = None
+
+    def dcp_state(self, with_optimizer):
+        return {f"model/tp0.pp0/{k}": v for k, v in self.model.state_dict().items()}, {}
+
+    def load_dcp_state(self, model, optim):
+        self.loaded = sorted(model)
+        self.model.load_state_dict({k.split("/", 2)[2]: v for k, v in model.items()})
+
+
+def test_checkpoints_use_a_backends_own_keys_atomically_and_resume(tmp_path):
+    import torch
+
+    from hpc_rl.ckpt import load_checkpoint, save_checkpoint
+
+    a = _KeyedBackend(0)
+    a.step_count = 3
+    path = save_checkpoint(tmp_path / "ck", 3, a, {"data_pos": 7}, "recipe: tiny_mopd\n")
+    assert path.name == "step_00000003" and not list((tmp_path / "ck").glob(".tmp_*"))
+    b = _KeyedBackend(1)
+    assert not torch.equal(a.model.weight, b.model.weight)
+    extra = load_checkpoint(path, b)
+    assert extra["data_pos"] == 7 and b.step_count == 3 and b.loaded == ["model/tp0.pp0/bias", "model/tp0.pp0/weight"]
+    assert torch.equal(a.model.weight, b.model.weight) and torch.equal(a.model.bias, b.model.bias)

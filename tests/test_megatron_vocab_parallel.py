@@ -32,7 +32,13 @@ def _rank(rank: int, port: int, out) -> None:
         local = logits[..., rank * n:(rank + 1) * n].clone().requires_grad_(True)
         lp = vocab_parallel_logprobs(local, target, rank * n, dist.group.WORLD)
         (lp * w).sum().backward()
-        out.put((rank, lp.detach(), local.grad))
+        # Megatron's padded vocabulary: 12 real rows padded to 18, 6 per rank; the last rank
+        # holds nothing but padding
+        padded = torch.cat([logits, torch.zeros(2, 5, 6)], -1)[..., rank * 6:(rank + 1) * 6].clone().requires_grad_(True)
+        lp_pad = vocab_parallel_logprobs(padded, target, rank * 6, dist.group.WORLD, vocab_size=V)
+        (lp_pad * w).sum().backward()
+        # numpy pickles by value: torch tensors would travel as shared memory the exiting child takes away
+        out.put((rank, *(t.detach().numpy() for t in (lp, local.grad, lp_pad, padded.grad))))
     finally:
         dist.destroy_process_group()
 
@@ -56,14 +62,18 @@ def test_vocab_parallel_logprobs_and_grads_match_the_whole_vocabulary():
     procs = [ctx.Process(target=_rank, args=(r, port, q)) for r in range(TP)]
     for p in procs:
         p.start()
-    got = sorted(q.get(timeout=120) for _ in range(TP))
+    got = sorted((q.get(timeout=120) for _ in range(TP)), key=lambda x: x[0])
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
     n = V // TP
-    for rank, lp, grad in got:
+    padded_grad = torch.cat([full.grad, torch.zeros(2, 5, 6)], -1)
+    for rank, *arrays in got:
+        lp, grad, lp_pad, grad_pad = (torch.from_numpy(a) for a in arrays)
         torch.testing.assert_close(lp, want.detach(), rtol=0, atol=1e-5)
         torch.testing.assert_close(grad, full.grad[..., rank * n:(rank + 1) * n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(lp_pad, want.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(grad_pad, padded_grad[..., rank * 6:(rank + 1) * 6], rtol=0, atol=1e-6)
 
 
 def test_padding_rows_take_no_probability():

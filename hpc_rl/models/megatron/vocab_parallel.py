@@ -38,7 +38,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
         local = target - vocab_start
         mine = (local >= 0) & (local < n)
         idx = local.clamp(0, n - 1)
-        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
+        # where(), not a product: a rank holding only padding has -inf there, and -inf * 0 is nan
+        picked = torch.where(mine, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(total))
         if group is not None:
             both = torch.stack([total, picked])
             dist.all_reduce(both, group=group)
