@@ -26,12 +26,13 @@ def main(ckpt: str, inputs: str, out_dir: str, tp: int, pp: int) -> None:
 
     megatron_cpu_shim.install()
     from hpc_rl.config.schema import ParallelConfig
+    from hpc_rl.models.backend import parallel_sizes
     from hpc_rl.models.megatron.backend import MegatronBackend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    b = MegatronBackend(ckpt, dist.group.WORLD, "fp32", "cpu", train=None, parallel=ParallelConfig(tp=tp, pp=pp))
+    b = MegatronBackend(ckpt, dist.group.WORLD, "fp32", "cpu", train=None, parallel=parallel_sizes(ParallelConfig(tp=tp, pp=pp)))
     x = torch.load(inputs)
     lp = b.logprobs(x["ids"], x["mask"])
     greedy = b.greedy(x["prompt"], torch.ones_like(x["prompt"]), 4, eos_id=-1, pad_id=0)

@@ -53,6 +53,7 @@ def run(out: dict, tmp: Path) -> None:
     from hpc_rl.config.schema import OptimizerConfig, TrainerConfig
     from hpc_rl.models.assets import ModelSpec, save_untrained
     from hpc_rl.models.fsdp2 import token_logprobs
+    from hpc_rl.models.backend import parallel_sizes
     from hpc_rl.models.megatron.backend import MegatronBackend
     from hpc_rl.models.megatron.loading import have_te
 
@@ -69,7 +70,7 @@ def run(out: dict, tmp: Path) -> None:
     train = TrainerConfig(backend="megatron", precision="bf16", micro_batch_size=4,
                           optimizer=OptimizerConfig(name="adamw", lr=1e-3, grad_clip=1.0))
     t0 = time.perf_counter()
-    backend = MegatronBackend(str(ckpt), dist.group.WORLD, "bf16", "cuda:0", train=train, parallel=train.parallel)
+    backend = MegatronBackend(str(ckpt), dist.group.WORLD, "bf16", "cuda:0", train=train, parallel=parallel_sizes(train.parallel))
     out["build_s"] = time.perf_counter() - t0
 
     out["stage"] = "log-probs vs HF"
