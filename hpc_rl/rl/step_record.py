@@ -61,5 +61,11 @@ def brief(rec: Dict[str, Any]) -> str:
         parts.append(f"reward {rec['reward_mean']:.3f}")
     parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
     parts.append(f"loss {rec.get('loss', float('nan')):.4f}")
-    parts.append(f"{rec['timing']['step_s']:.2f}s")
+    t = rec["timing"]
+    if "async" in rec:  # the pipeline: what was ahead, what was dropped, who waited
+        a = rec["async"]
+        parts.append(f"buffer {a['buffer_depth']}, stale dropped {a['stale_dropped']}, ages {rec['versions']['age']}, "
+                     f"trainer idle {t['wait_rows_s'] / t['step_s']:.0%}, "
+                     f"generator idle {max(0.0, 1 - t['generate_busy_s'] / t['step_s']):.0%}")
+    parts.append(f"{t['step_s']:.2f}s")
     return ", ".join(parts)
