@@ -46,6 +46,17 @@ def test_fresh_collections_pass_untouched_and_an_all_stale_one_is_an_error():
     assert age_histogram([4, 4, 5, 3], 5) == {"0": 1, "1": 2, "2": 1}
 
 
+def test_the_live_view_shows_the_pipeline_of_the_last_step():
+    from hpc_rl.observe.live import metrics_section
+
+    steps = [{"kind": "step", "step": s, "async": {"buffer_depth": 1, "stale_dropped": s - 1}, "versions": {"age": {"1": 64}},
+              "timing": {"step_s": 2.0, "wait_rows_s": 0.3, "generate_busy_s": 1.5}} for s in (1, 2, 3)]
+    text = "\n".join(metrics_section(steps, 5))
+    assert "async rollouts: buffer depth 1, stale dropped 3 in all, sample ages {'1': 64}" in text
+    assert "trainer idle 15%" in text and "generator idle 25%" in text
+    assert "async rollouts" not in "\n".join(metrics_section([{"kind": "step", "step": 1, "timing": {"step_s": 1.0}}], 5))
+
+
 SMALL = ["run.max_steps=4", "algo.prompts_per_step=16", "trainer.global_batch_size=32", "data.samples_per_task=32",
          "data.eval_prompts_per_task=0", "checkpoint.every_steps=2", "algo.async_rollout.enabled=true"]
 
