@@ -45,6 +45,8 @@ INVALID = [
     (["cluster=local_slurm"], "trainer.backend", "Megatron-core's forward path needs CUDA"),
     (["trainer.parallel.tp=1", "trainer.parallel.cp=32"], "trainer.sequence_parallel", "needs tp > 1"),
     (["algo.async_rollout.enabled=false"], "algo.async_rollout.in_flight_weight_updates", "need asynchronous rollouts"),
+    (["algo.mismatch.kind=none"], "algo.mismatch.kind", "importance-sampling correction"),
+    (["algo.async_rollout.max_trajectory_age_steps=0"], "algo.async_rollout.max_trajectory_age_steps", "every sample is 1 step old"),
     (["trainer.nodez=3"], "trainer.nodez", "did you mean trainer.nodes?"),
     (["refit.timeout_s=0"], "refit.timeout_s", "a refit without a deadline can hang the job"),
     (["refit.bucket_mb=0"], "refit.bucket_mb", "must be >= 1"),
@@ -129,8 +131,8 @@ UNSUPPORTED = [
      "not both in one model"),
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
-    (TINY + ["algo.async_rollout.enabled=true"], "algo.async_rollout.enabled", "lock-step"),
-    (TINY + ["algo.async_rollout.max_trajectory_age_steps=4"], "algo.async_rollout.max_trajectory_age_steps", "lock-step"),
+    (TINY + ["algo.async_rollout.enabled=true", "algo.async_rollout.in_flight_weight_updates=true"],
+     "algo.async_rollout.in_flight_weight_updates", "between collections"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
     (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2 and qwen3_moe checkpoints only"),
@@ -160,11 +162,11 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     cfg = load_config(ULTRA)
     assert build_plan(cfg).total_nodes == 224
     keys = {v.key for v in unsupported(cfg)}
-    # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16)
-    assert keys == {"generator.parallel.tp", "generator.parallel.ep", "model.architecture", "algo.async_rollout.enabled",
+    # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16); async runs (#15)
+    assert keys == {"generator.parallel.tp", "generator.parallel.ep", "model.architecture",
                     "algo.async_rollout.in_flight_weight_updates"}, keys
     text = render_unsupported(unsupported(cfg))
-    assert text.startswith("settings this version cannot run yet") and "fix: set algo.async_rollout.enabled=false" in text
+    assert text.startswith("settings this version cannot run yet") and "fix: set algo.async_rollout.in_flight_weight_updates=false" in text
     assert render_unsupported([]) == ""
 
 

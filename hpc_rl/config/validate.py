@@ -276,6 +276,14 @@ def check_algo(out: List[Violation], cfg: RunConfig) -> None:
     if asy.max_trajectory_age_steps < 0:
         out.append(Violation("algo.async_rollout.max_trajectory_age_steps", asy.max_trajectory_age_steps, "must be >= 0",
                              "set it to 0 (on-policy) or more"))
+    if asy.enabled and m.kind == "none":
+        out.append(Violation("algo.mismatch.kind", "none", "asynchronous rollouts train on samples of older weights; "
+                             "without an importance-sampling correction the update is biased",
+                             "set algo.mismatch.kind=tis (or icepop), or algo.async_rollout.enabled=false"))
+    if asy.enabled and asy.max_trajectory_age_steps == 0:
+        out.append(Violation("algo.async_rollout.max_trajectory_age_steps", 0, "asynchronous rollouts sample step k+1 "
+                             "while step k trains, so every sample is 1 step old: a bound of 0 drops them all",
+                             "set algo.async_rollout.max_trajectory_age_steps=1 or more (or enabled=false)"))
     if asy.in_flight_weight_updates and not asy.enabled:
         out.append(Violation("algo.async_rollout.in_flight_weight_updates", True, "in-flight weight updates need asynchronous rollouts",
                              "set algo.async_rollout.enabled=true or in_flight_weight_updates=false"))

@@ -8,7 +8,7 @@ data (lists, small dataclasses): it is pickled point to point (`exchange.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -19,7 +19,7 @@ from hpc_rl.refit.vllm_engine import Rollouts, SampleRow
 # Order kinds, the generator's whole vocabulary:
 COLLECT = "collect"  # sample the items, forward them to env and teachers, return the rows
 TEACHER_EVAL = "teacher_eval"  # no sampling: teachers answer the items greedily (their own accuracy)
-REFIT = "refit"  # receive the trainer's weights of step `step` (a resume; training collections imply one)
+REFIT = "refit"  # receive the trainer's weights of step `step` (a resume; training collections say theirs)
 STOP = "stop"  # a save was requested (time limit): stop for a requeue
 END = "end"  # the run is complete
 FORWARDED = (COLLECT, TEACHER_EVAL, STOP, END)  # kinds generators pass on to their scorers
@@ -40,7 +40,10 @@ class Order:
     sampling: Optional[Sampling] = None
     score_env: bool = False  # env ranks verify the rows and answer the driver
     score_teachers: bool = False  # teacher groups score their routed rows and answer the driver
-    train: bool = False  # a training step's collection: ft.inject_failure's @step fires, a refit follows
+    train: bool = False  # a training step's collection: ft.inject_failure's @step fires
+    # After forwarding this collection's rows, receive the trainer's weights of this version
+    # (None: no refit follows). Lock-step: the order's own step; async: the step before it.
+    refit_after: Optional[int] = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Batch:
     aliases: Optional[List[str]] = None  # the routed teacher alias per sample
     advantages: Optional[torch.Tensor] = None  # [B, T], set by the train step
     timing: Dict[str, float] = field(default_factory=dict)
+    info: Dict[str, Any] = field(default_factory=dict)  # the step's rollout metrics (async: buffer depth, ages)
 
     def set_teacher_scores(self, scores: Dict[int, List[float]], aliases: List[str]) -> None:
         tlp = torch.zeros_like(self.rollouts.generation_logprobs)

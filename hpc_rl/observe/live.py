@@ -124,6 +124,15 @@ def metrics_section(records: List[dict], n: int) -> List[str]:
             lines.append(f"{r['step']:>6}{_cell(_metric(r, 'timing', 'step_s'), '.2f', 8)}"
                          f"{_cell(_metric(r, 'reverse_kl', 'mean'), '.4f', 9)}{_cell(_metric(r, 'reward_mean'), '.3f', 8)}"
                          f"{_cell(_metric(r, 'token_mult_prob_error'), '.5f', 10)}{_cell(_metric(r, 'loss'), '.4f', 9)}")
+    if steps and "async" in steps[-1]:  # asynchronous rollouts: the pipeline of the last step
+        r, t = steps[-1], steps[-1].get("timing", {})
+        dropped = sum(_metric(x, "async", "stale_dropped") or 0 for x in records if x.get("kind") == "step")
+        idle = {who: v / t["step_s"] for who, v in (("trainer", t.get("wait_rows_s")),
+                                                     ("generator", t["step_s"] - t.get("generate_busy_s", 0.0)))
+                if v is not None and t.get("step_s")}
+        lines.append(f"async rollouts: buffer depth {r['async'].get('buffer_depth')}, stale dropped {int(dropped)} in all, "
+                     f"sample ages {(r.get('versions') or {}).get('age')}, "
+                     + ", ".join(f"{who} idle {max(v, 0.0):.0%}" for who, v in idle.items()))
     evals = [r for r in records if r.get("kind") == "eval"]
     if evals:
         e = evals[-1]

@@ -37,6 +37,10 @@ class SampleRow:
     logprobs: List[float]  # the sampled tokens' logprobs under the generating engine
     truncated: bool  # stopped by max_tokens rather than a stop token/string
     text: str
+    # The weight versions (trainer steps) the engine served when the sample's first and last
+    # tokens were generated; they differ when a refit landed mid-sequence. Set by the generator.
+    version_first: int = 0
+    version_last: int = 0
 
 
 def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:

@@ -26,11 +26,12 @@ class Checkpointer:
         self.root = Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else RunDir(ctx.run_dir).checkpoints
         self.last_saved = 0
         self.last_save_s: Optional[float] = None
+        self.resumed_extra: dict = {}  # the extra state of the checkpoint resumed from (its rollout buffer)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.checkpoint.every_steps == 0 or step == self.cfg.run.max_steps
 
-    def save(self, step: int, it: PromptIterator) -> None:
+    def save(self, step: int, it: PromptIterator, more: Optional[dict] = None) -> None:
         """Every trainer rank calls it; the driver decides whether the save fits in time."""
         from hpc_rl.ckpt import apply_retention, capture_rng_state, save_checkpoint
 
@@ -43,7 +44,7 @@ class Checkpointer:
                                  "(last save took %.1fs)", step, cfg.ft.save_margin_s, self.last_save_s or 0.0)
             return
         t0 = time.time()
-        extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state()}
+        extra = {"step": step, "iterator": it.state_dict(), "rng": capture_rng_state(), **(more or {})}
         ident = self.ctx.ident
         save_checkpoint(self.root, step, self.trainer.backend, extra, RunDir(self.ctx.run_dir).config.read_text(),
                         group=group, recipe=cfg.recipe,
@@ -79,6 +80,7 @@ class Checkpointer:
         extra = load_checkpoint(path, self.trainer.backend, group=self.ctx.groups.role)
         it.load_state_dict(extra["iterator"])
         restore_rng_state(extra["rng"])
+        self.resumed_extra = extra
         if self.is_driver:
             recomputed = MetricsLog(run_dir).truncate_after(step)
             RolloutStore(run_dir).truncate_after(step)

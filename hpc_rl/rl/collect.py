@@ -32,7 +32,8 @@ class Collector:
             mine = exchange.strided(len(records), g, g_n)
             items = [(i, records[i], fields.get("seeds", {}).get(i, 0)) for i in mine]
             exchange.send(Order(kind, step, items, fields.get("sampling"), fields.get("score_env", False),
-                                fields.get("score_teachers", False), fields.get("train", False)), rank)
+                                fields.get("score_teachers", False), fields.get("train", False),
+                                fields.get("refit_after")), rank)
 
     def collect(self, records: Optional[List[PromptRecord]], sampling: Sampling, stream: int, step: int,
                 score_env: bool, score_teachers: bool, train: bool = False,
@@ -52,16 +53,9 @@ class Collector:
         elif self.is_driver:
             seeds = {i: request_seed(cfg.run.seed, stream, step, i) for i in range(len(records))}
             self.order(COLLECT, step, records, seeds=seeds, sampling=sampling, score_env=score_env,
-                       score_teachers=score_teachers, train=train)
-            rows: List = [None] * len(records)
-            versions, gen_s = set(), []
-            for rank in r.generators:
-                version, piece, seconds = exchange.recv(rank)
-                versions.add(version)
-                gen_s.append(seconds)
-                for i, row in piece:
-                    rows[i] = row
-            head = ("rows", records, rows, sorted(versions))
+                       score_teachers=score_teachers, train=train, refit_after=step if train else None)
+            rows, versions, _ = self.gather_rows(len(records))
+            head = ("rows", records, rows, versions)
         head = exchange.share(head, r.driver, self.group)
         if head[0] == "stop":
             return head[1]
@@ -78,6 +72,42 @@ class Collector:
         if teacher is not None:
             batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in records])
         batch.timing = {"generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen}
+        return batch
+
+    def gather_rows(self, n: int):
+        """Driver: every generator's rows of the outstanding collection, in request order;
+        the engines' versions and their sampling seconds."""
+        rows: List = [None] * n
+        versions, gen_s = set(), []
+        for rank in self.routes.generators:
+            version, piece, seconds = exchange.recv(rank)
+            versions.add(version)
+            gen_s.append(seconds)
+            for i, row in piece:
+                rows[i] = row
+        return rows, sorted(versions), gen_s
+
+    def gather(self, records: List[PromptRecord], score_env: bool, score_teachers: bool):
+        """Driver, asynchronous rollouts: the whole outstanding collection (rows and every
+        scorer's answer) as plain data the rollout buffer keeps and a checkpoint saves."""
+        rows, versions, gen_s = self.gather_rows(len(records))
+        score_env, score_teachers = score_env and bool(self.routes.envs), score_teachers and bool(self.routes.teachers)
+        rewards, correct, teacher = self._scores(len(rows), score_env, score_teachers)
+        return {"records": records, "rows": rows, "versions": versions, "rewards": rewards, "correct": correct,
+                "teacher": teacher, "generate_busy_s": max(gen_s) if gen_s else 0.0}
+
+    def batch_of(self, gathered) -> Batch:
+        """Every trainer rank: the Batch of a gathered collection (the driver's, shared in
+        the trainer group), with the student's log-probs."""
+        g = exchange.share(gathered, self.routes.driver, self.group)
+        rows = g["rows"]
+        batch = Batch(g["records"], rows, pad_rows(rows, self.pad_id), g["versions"])
+        self.ctx.set_phase("logprobs")
+        batch.student_logprobs = self.trainer.student_logprobs(rows)
+        if g["rewards"] is not None:
+            batch.rewards, batch.correct = torch.tensor(g["rewards"], dtype=torch.float32), g["correct"]
+        if g["teacher"] is not None:
+            batch.set_teacher_scores(g["teacher"], [self.router.route(x.agent) for x in g["records"]])
         return batch
 
     def _scores(self, n: int, score_env: bool, score_teachers: bool):

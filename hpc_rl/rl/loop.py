@@ -38,6 +38,7 @@ from hpc_rl.runtime.faults import maybe_inject
 
 from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import END, REFIT, STOP
+from .async_rollout import AsyncRollouts
 from .checkpointing import Checkpointer
 from .collect import Collector
 from .eval import evaluate
@@ -65,6 +66,7 @@ class RLLoop:
         self.trainer.join_refit(domains_for_refit(self.ctx, self.routes))
         self.collector = Collector(self.ctx, self.routes, self.trainer, router, self.trainer.pad_id)
         self.ckpt = Checkpointer(self.ctx, self.trainer)
+        self.pipeline = None  # AsyncRollouts with algo.async_rollout.enabled (rl/async_rollout.py)
         dist.barrier(group=self.ctx.groups.world)  # every role has loaded its model
         self.log.info("setup done in %.1fs", time.perf_counter() - t0)
 
@@ -76,6 +78,10 @@ class RLLoop:
         done = self.ckpt.resume(it)
         if done:
             self.refit(done)  # the engines still hold the initial weights
+        if cfg.algo.async_rollout.enabled:
+            self.pipeline = AsyncRollouts(self.ctx, self.collector, self.trainer, self.sampling, it, TRAIN_STREAM,
+                                          self.distill)
+            self.pipeline.load_state_dict(self.ckpt.resumed_extra.get("rollout_buffer"))
         store = RolloutStore(run_dir)
         # trainer rank 0 alone writes metrics: metrics.jsonl and the loggers of cfg.logger (observe/)
         metrics = open_sink(cfg, run_dir, MetricsLog(run_dir), done, self.log) if self.driver else None
@@ -96,26 +102,34 @@ class RLLoop:
             maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, step)
             t0 = time.perf_counter()
             self.phase(progress, step, "wait_rows")
-            # no prompts are drawn for a step that stops: the saved iterator must not skip them
-            records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] \
-                if self.driver and not why else None
-            batch = self.collector.collect(records, self.sampling, TRAIN_STREAM, step, score_env=True,
-                                           score_teachers=self.distill, train=True, stop=why)
+            if self.pipeline:  # the batch was sampled while the previous step trained
+                batch = self.pipeline.next_batch(step, why)
+            else:
+                # no prompts are drawn for a step that stops: the saved iterator must not skip them
+                records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] \
+                    if self.driver and not why else None
+                batch = self.collector.collect(records, self.sampling, TRAIN_STREAM, step, score_env=True,
+                                               score_teachers=self.distill, train=True, stop=why)
             if isinstance(batch, str):  # the driver's reason, shared with the rows' header
                 if metrics:
                     metrics.close()
                 return self.stop_for_requeue(step - 1, it, batch)
+            if not self.pipeline:  # lock-step: every sample comes from this step's policy
+                check_age_bound(batch, step, cfg.algo.async_rollout.max_trajectory_age_steps)
             self.phase(progress, step, "train")
             t_train = time.perf_counter()
             train = self.trainer.train(batch)
             train_s = time.perf_counter() - t_train
-            self.phase(progress, step, "refit")
-            refit_s = self.trainer.refit()  # the engines expect it after a training collection
+            if self.pipeline:
+                refit_s = batch.timing.pop("refit_s")  # sent after the gather, before this train step
+            else:
+                self.phase(progress, step, "refit")
+                refit_s = self.trainer.refit()  # the engines expect it after a training collection
             ckpt_s = 0.0
             if self.ckpt.due(step):
                 self.phase(progress, step, "checkpoint")
                 t_ckpt = time.perf_counter()
-                self.ckpt.save(step, it)
+                self.save(step, it)
                 ckpt_s = time.perf_counter() - t_ckpt
             if self.driver:
                 self.phase(progress, step, "record")
@@ -125,6 +139,8 @@ class RLLoop:
                 self.log.info("step %d/%d: %s", step, cfg.run.max_steps, brief(rec))
 
         if evals:
+            if self.pipeline:  # the engines hold the weights of the step before the last
+                self.refit(cfg.run.max_steps)
             self.evaluate("end", evals, cfg.run.max_steps, progress, metrics)
         result = self.finish(progress, steps=cfg.run.max_steps - done)
         if metrics:
@@ -139,6 +155,15 @@ class RLLoop:
         if self.driver:
             self.collector.order(REFIT, version, [])
         return self.trainer.refit()
+
+    def save(self, step: int, it: PromptIterator) -> None:
+        """A checkpoint of every trainer rank; with async rollouts the generators' outstanding
+        work is gathered first and the buffer is saved with it."""
+        more = None
+        if self.pipeline:
+            self.pipeline.drain()
+            more = {"rollout_buffer": self.pipeline.state_dict()}
+        self.ckpt.save(step, it, more)
 
     def evaluate(self, tag: str, evals, step: int, progress, metrics: MetricsLog) -> None:
         self.ctx.set_phase("eval", None)  # not a training step's time
@@ -159,7 +184,7 @@ class RLLoop:
         if self.driver:
             self.collector.order(STOP, done_step, [])
         if done_step > self.ckpt.last_saved:
-            self.ckpt.save(done_step, it)
+            self.save(done_step, it)
         if self.driver:
             save_s = write_stopped(self.ctx.run_dir, self.ctx.ident.restart, done_step,
                                    self.ckpt.last_saved == done_step, t0)
@@ -188,6 +213,14 @@ class RLLoop:
                                                    "final_weights_sha256": digest, "restarts": self.ctx.ident.restart})
             progress.update(cfg.run.max_steps + 1, "done", done_steps=cfg.run.max_steps)
         return {"role": self.ctx.ident.role, "rank": self.ctx.ident.role_rank, "steps": steps, "summary": summary}
+
+
+def check_age_bound(batch, step: int, bound: int) -> None:
+    """Lock-step collections are sampled by this step's policy (age 0): the bound holds by
+    construction; a sample that breaks it means the refit protocol broke."""
+    oldest = step - 1 - min(r.version_first for r in batch.rows)
+    if oldest > bound:
+        raise RuntimeError(f"step {step}: a sample is {oldest} steps old, over algo.async_rollout.max_trajectory_age_steps={bound}")
 
 
 def weights_digest(state: Dict[str, torch.Tensor]) -> str:

@@ -11,6 +11,7 @@ from hpc_rl.algo import token_mult_prob_error
 
 from hpc_rl.messaging.messages import Batch
 from .eval import accuracy_by_task, reverse_kl
+from .staleness import age_histogram
 from .records import MetricsLog, RolloutStore
 
 
@@ -22,7 +23,12 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
                            "response_len_mean": float(np.mean(r.generation_lengths)),
                            "truncated_frac": float(np.mean(r.truncated)),
                            "token_mult_prob_error": token_mult_prob_error(r.generation_logprobs, b.student_logprobs, mask),
-                           "weight_version": min(b.weight_versions), **train, "timing": timing}
+                           "weight_version": min(b.weight_versions), **train, **b.info, "timing": timing}
+    # the weights each sample saw (first and last token) and its age under this step's policy
+    first, last = [x.version_first for x in b.rows], [x.version_last for x in b.rows]
+    rec["versions"] = {"first_min": min(first), "first_max": max(first), "last_max": max(last),
+                       "changed_mid_sample": sum(a != z for a, z in zip(first, last)),
+                       "age": age_histogram(first, step - 1)}
     if b.rewards is not None:
         rec["reward_mean"] = float(b.rewards.mean())
         rec["accuracy"] = accuracy_by_task(b.records, b.correct)
@@ -32,7 +38,10 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
     arrays = {"input_ids": r.input_ids.numpy().astype(np.int32), "attention_mask": r.attention_mask.numpy().astype(np.int8),
               "response_mask": mask.numpy().astype(np.int8), "generation_logprobs": r.generation_logprobs.numpy(),
               "student_logprobs": b.student_logprobs.numpy(), "advantages": b.advantages.numpy(),
-              "truncated": np.array(r.truncated, dtype=np.int8)}
+              "truncated": np.array(r.truncated, dtype=np.int8),
+              # the weights each sample was generated under: first and last token (in-flight refits)
+              "weight_version_first": np.array([x.version_first for x in b.rows], dtype=np.int32),
+              "weight_version_last": np.array([x.version_last for x in b.rows], dtype=np.int32)}
     if b.teacher_logprobs is not None:
         arrays["teacher_logprobs"] = b.teacher_logprobs.numpy()
     if b.rewards is not None:
@@ -52,5 +61,11 @@ def brief(rec: Dict[str, Any]) -> str:
         parts.append(f"reward {rec['reward_mean']:.3f}")
     parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
     parts.append(f"loss {rec.get('loss', float('nan')):.4f}")
-    parts.append(f"{rec['timing']['step_s']:.2f}s")
+    t = rec["timing"]
+    if "async" in rec:  # the pipeline: what was ahead, what was dropped, who waited
+        a = rec["async"]
+        parts.append(f"buffer {a['buffer_depth']}, stale dropped {a['stale_dropped']}, ages {rec['versions']['age']}, "
+                     f"trainer idle {t['wait_rows_s'] / t['step_s']:.0%}, "
+                     f"generator idle {max(0.0, 1 - t['generate_busy_s'] / t['step_s']):.0%}")
+    parts.append(f"{t['step_s']:.2f}s")
     return ", ".join(parts)

@@ -63,9 +63,9 @@ class GeneratorRole:
                 ident = self.ctx.ident
                 maybe_inject(self.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, order.step)
             self._forward(order)
-            if order.kind == COLLECT and order.train:  # a training step ends with a refit
+            if order.kind == COLLECT and order.refit_after is not None:  # the order says which weights follow
                 self.ctx.set_phase("refit")
-                out = self.engine.refit(order.step, self.cfg.refit.timeout_s)
+                out = self.engine.refit(order.refit_after, self.cfg.refit.timeout_s)
                 # blocked on the transport: mostly the trainer's train step before bytes flow
                 self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))
             if order.kind == STOP:
@@ -80,8 +80,11 @@ class GeneratorRole:
         rows: List[Any] = [None] * len(order.items)
         t0 = time.perf_counter()
         if order.kind == COLLECT and order.items:
+            first = self.engine.weight_version
             rows = self.engine.sample([r.prompt for _, r, _ in order.items], order.sampling,
                                       [seed for _, _, seed in order.items])
+            for row in rows:  # the engine loads weights only between orders: one version per sample
+                row.version_first, row.version_last = first, self.engine.weight_version
         gen_s = time.perf_counter() - t0
         self.ctx.set_phase("wait_send")  # each send returns once its consumer takes it
         items = [(i, rec, row) for (i, rec, _), row in zip(order.items, rows)]

@@ -27,6 +27,7 @@ Set by the rank's own processes:
 Read elsewhere, not part of a rank's identity (they stay beside their readers):
   HPC_RL_RECIPES       the Hydra config tree (hpc_rl/config/compose.py)
   HPC_RL_ASSETS        the tiny-model cache (hpc_rl/models/assets.py)
+  HPC_RL_CPU_AFFINITY  benchmarks: role=cpus;... pins a role's process (hpc_rl/runtime/groups.py)
 """
 
 from __future__ import annotations

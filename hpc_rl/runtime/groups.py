@@ -12,6 +12,7 @@ or not, so every group is created everywhere from the plan alone.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional
@@ -86,4 +87,23 @@ def configure_device(ident: RankIdentity, gpus_per_node: int, cpus_per_node: int
         torch.cuda.set_device(ident.local_rank % torch.cuda.device_count())
         return f"cuda:{torch.cuda.current_device()}"
     torch.set_num_threads(max(1, cpus_per_node // max(tasks_per_node, 1)))
+    pin_cpus(ident.role, os.environ.get(CPU_AFFINITY, ""))
     return "cpu"
+
+
+# "role=cpus;role=cpus" (cpus like 0 or 0,1; a teacher's role is teacher/<name>): pins each
+# listed role's process to its CPUs with as many threads. Benchmarks on one small machine
+# use it to give each role a core of its own, as separate nodes would (bench/async.py).
+CPU_AFFINITY = "HPC_RL_CPU_AFFINITY"
+
+
+def pin_cpus(role: str, spec: str) -> None:
+    for part in filter(None, spec.split(";")):
+        name, _, cpus = part.partition("=")
+        if name.strip() != role:
+            continue
+        chosen = {int(c) for c in cpus.split(",") if c.strip()}
+        os.sched_setaffinity(0, chosen)
+        torch.set_num_threads(len(chosen))
+        # vLLM's CPU workers bind their OpenMP threads themselves: to these CPUs, not all of them
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(chosen)))

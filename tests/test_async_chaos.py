@@ -1,0 +1,69 @@
+"""The chaos drills with asynchronous rollouts on (#15), on the local Slurm cluster: USR1
+before the time limit and a killed generator. The run must finish with the weights of the
+uninterrupted async run, every step's samples exactly those of that run (nothing lost,
+nothing sampled twice) and no sample trained beyond the age bound."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from hpc_rl.slurm import chaos
+
+RUN = ["+recipe=tiny_grpo", "cluster=local_slurm", "run.max_steps=6", "algo.prompts_per_step=8",
+       "algo.generations_per_prompt=2", "trainer.global_batch_size=16", "data.samples_per_task=16",
+       "data.eval_prompts_per_task=0", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+       "launcher.slurm.signal_grace_s=60", "algo.async_rollout.enabled=true"]
+
+
+def _rollouts(run) -> dict:
+    with h5py.File(run / "rollouts.h5", "r") as f:
+        return {name: (f[name]["input_ids"][:], f[name]["weight_version_first"][:]) for name in f}
+
+
+def _same_samples_within_the_bound(run, reference) -> None:
+    got, want = _rollouts(run), _rollouts(reference)
+    assert sorted(got) == sorted(want) == [f"step_{s:06d}" for s in range(1, 7)]
+    for name, (ids, first) in got.items():
+        step = int(name[5:])
+        assert np.array_equal(ids, want[name][0]), f"{name}: other samples than the uninterrupted run"
+        assert np.array_equal(first, want[name][1]) and ((step - 1) - first <= 1).all(), (name, first)
+
+
+@pytest.fixture(scope="module")
+def reference(local_slurm, tmp_path_factory):
+    run = tmp_path_factory.mktemp("async_ref") / "run"
+    res = chaos.uninterrupted(run, RUN)
+    assert res.finished, res
+    return run, res
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_usr1_with_async_rollouts_resumes_from_the_saved_buffer_and_matches(local_slurm, reference, tmp_path):
+    ref_run, ref = reference
+    run = tmp_path / "run"
+    res = chaos.usr1_mid_run(run, RUN, after_steps=2)
+    assert res.finished, res
+    # stopped after step 3 with step 4 sampled ahead: the buffer held it through the requeue
+    assert res.events["checkpoint_saved"] and res.events["stopped_after_step"] == 3
+    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == [(1, 3, 0)]
+    assert res.summary["final_weights_sha256"] == ref.summary["final_weights_sha256"]
+    _same_samples_within_the_bound(run, ref_run)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_killed_generator_with_async_rollouts_recomputes_from_the_checkpoint_and_matches(local_slurm, reference,
+                                                                                         tmp_path):
+    ref_run, ref = reference
+    run = tmp_path / "run"
+    t0 = chaos.time.monotonic()
+    # SIGKILL of the generator when step 4's order reaches it (sent during step 3)
+    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
+    res = chaos.result(run, job, chaos.follow(run, job), t0)
+    assert res.finished, res
+    assert [(r["restart"], r["resumed_from_step"]) for r in res.restarts] == [(1, 2)]
+    assert res.summary["final_weights_sha256"] == ref.summary["final_weights_sha256"]
+    _same_samples_within_the_bound(run, ref_run)

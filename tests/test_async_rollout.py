@@ -1,0 +1,90 @@
+"""Asynchronous rollouts (#15): the age bound on gathered collections, and real runs with
+`algo.async_rollout.enabled=true` (FSDP2 trainer, vLLM generator, env, teachers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+from hpc_rl.data.dataset import PromptRecord
+from hpc_rl.refit.vllm_engine import SampleRow
+from hpc_rl.rl.staleness import age_histogram, drop_stale
+
+
+def _gathered(first_versions, group_size=2):
+    n = len(first_versions)
+    rows = [SampleRow([1, 2], [3 + i], [-0.5], False, f"s{i}", version_first=v, version_last=v)
+            for i, v in enumerate(first_versions)]
+    records = [PromptRecord(f"p{i // group_size}", "add_agent") for i in range(n)]
+    return {"records": records, "rows": rows, "versions": sorted(set(first_versions)), "rewards": [float(i) for i in range(n)],
+            "correct": [i % 2 == 0 for i in range(n)], "teacher": {i: [-float(i)] for i in range(n)}, "generate_busy_s": 0.0}
+
+
+def test_a_sample_older_than_the_bound_leaves_the_batch_with_its_group():
+    # policy version 5 (training step 6), bound 1: versions 4 and 5 are fresh, 3 is two steps old
+    g = _gathered([4, 4, 3, 5, 5, 5], group_size=2)
+    out, dropped = drop_stale(g, policy_version=5, bound=1, group_size=2)
+    assert dropped == 2  # sample 2 is stale, and its group partner 3 goes with it
+    assert [r.text for r in out["rows"]] == ["s0", "s1", "s4", "s5"]
+    assert all(5 - r.version_first <= 1 for r in out["rows"])  # nothing older than the bound remains
+    assert out["rewards"] == [0.0, 1.0, 4.0, 5.0] and out["correct"] == [True, False, True, False]
+    # teacher scores follow their samples to the new positions
+    assert out["teacher"] == {0: [-0.0], 1: [-1.0], 2: [-4.0], 3: [-5.0]}
+    assert len(out["records"]) == 4
+
+
+def test_fresh_collections_pass_untouched_and_an_all_stale_one_is_an_error():
+    g = _gathered([4, 4, 5, 5])
+    assert drop_stale(g, policy_version=5, bound=1, group_size=2) == (g, 0)
+    with pytest.raises(RuntimeError, match="max_trajectory_age_steps=0"):
+        drop_stale(g, policy_version=6, bound=0, group_size=2)
+    assert age_histogram([4, 4, 5, 3], 5) == {"0": 1, "1": 2, "2": 1}
+
+
+def test_the_live_view_shows_the_pipeline_of_the_last_step():
+    from hpc_rl.observe.live import metrics_section
+
+    steps = [{"kind": "step", "step": s, "async": {"buffer_depth": 1, "stale_dropped": s - 1}, "versions": {"age": {"1": 64}},
+              "timing": {"step_s": 2.0, "wait_rows_s": 0.3, "generate_busy_s": 1.5}} for s in (1, 2, 3)]
+    text = "\n".join(metrics_section(steps, 5))
+    assert "async rollouts: buffer depth 1, stale dropped 3 in all, sample ages {'1': 64}" in text
+    assert "trainer idle 15%" in text and "generator idle 25%" in text
+    assert "async rollouts" not in "\n".join(metrics_section([{"kind": "step", "step": 1, "timing": {"step_s": 1.0}}], 5))
+
+
+SMALL = ["run.max_steps=4", "algo.prompts_per_step=16", "trainer.global_batch_size=32", "data.samples_per_task=32",
+         "data.eval_prompts_per_task=0", "checkpoint.every_steps=2", "algo.async_rollout.enabled=true"]
+
+
+def _launch(run: Path, *args):
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *args, f"run.dir={run}"], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_async_grpo_trains_one_step_behind_and_never_beyond_the_bound(tmp_path):
+    run = tmp_path / "run"
+    rows = _launch(run, "+recipe=tiny_grpo", *SMALL)
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    with h5py.File(run / "rollouts.h5", "r") as f:
+        for s in range(1, 5):
+            g = f[f"step_{s:06d}"]
+            first, last = g["weight_version_first"][:], g["weight_version_last"][:]
+            # step s trains on samples of the weights of step s-2 (generated while s-1 trained);
+            # the first step's come from the initial weights
+            assert (first == max(s - 2, 0)).all() and (last == first).all(), (s, first)
+            assert ((s - 1) - first <= 1).all()  # the age bound (1) held for every trained sample
+    for r in steps:
+        # one step sampling ahead while this one trains, none after the last
+        assert r["async"]["stale_dropped"] == 0 and r["async"]["buffer_depth"] == (r["step"] < 4)
+        assert r["versions"]["age"] == ({"0": 128} if r["step"] == 1 else {"1": 128})
+        assert {"wait_rows_s", "generate_busy_s", "train_s", "refit_s", "step_s"} <= set(r["timing"])
+    assert (run / "FINISHED").exists()
