@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from hpc_rl.models.assets import MoeModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig, check_checkpoint
 from hpc_rl.models.parallel.expert_names import checkpoint_shards, checkpoint_specs
+from backend_batches import masked_batch, masked_loss
 
 SPEC = MoeModelSpec(hidden=32, expert_intermediate=48, experts=4, top_k=2, layers=2, heads=2, max_positions=64)
 OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05)  # a small clip: the clipped path is compared too
@@ -23,33 +24,20 @@ def moe_ckpt(tmp_path_factory) -> Path:
     return save_untrained(tmp_path_factory.mktemp("moe"), SPEC, seed=0)
 
 
-def _batch(rows: int = 8):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(8, 100, (rows, 12), generator=g)
-    attn = torch.ones_like(ids)
-    attn[1, 9:] = 0
-    attn[3, 6:] = 0
-    return ids, attn
 
-
-def _loss(mask):
-    def fn(lp, rows):
-        m = mask[rows].float()
-        return -(lp * m).sum() / mask.float().sum(), {}
-    return fn
 
 
 def _worker(rank: int, world: int, ep: int, ckpt: str, store_path: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        ids, attn = _batch()
+        ids, attn = masked_batch(8, 12)
         ids, attn = ids[rank::world], attn[rank::world]  # each rank its strided rows, as the trainer does
         got = {}
         for name, size in (("dp", 1), ("ep", ep)):
             torch.manual_seed(0)
             b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, ep=size)
             got[name] = {"before": b.logprobs(ids, attn),
-                         "metrics": b.train_step(ids, attn, _loss(attn), micro_batch_size=2),
+                         "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
                          "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
                          "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
                          "specs": b.refit_specs()}
@@ -162,7 +150,7 @@ def test_export_writes_experts_one_tensor_each_and_reloads(moe_ckpt, tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and not any(n.endswith("gate_up_proj") for n in names)
-    ids, attn = _batch()
+    ids, attn = masked_batch(8, 12)
     again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert torch.equal(again(input_ids=ids, attention_mask=attn).logits, backend.model(input_ids=ids, attention_mask=attn).logits)
 

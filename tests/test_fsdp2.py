@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from hpc_rl.models.assets import ModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import CheckpointError, FSDP2Backend, OptimConfig, check_checkpoint, lr_at, token_logprobs
+from backend_batches import masked_batch, masked_loss
 
 SPEC = ModelSpec(hidden=32, intermediate=64, layers=2, heads=2, max_positions=64)
 OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=1.0)
@@ -22,24 +23,8 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return save_untrained(tmp_path_factory.mktemp("tiny"), SPEC, seed=0)
 
 
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(8, 100, (4, 12), generator=g)
-    attn = torch.ones_like(ids)
-    attn[1, 9:] = 0  # right padding
-    attn[3, 6:] = 0
-    return ids, attn
-
-
-def _loss(mask):
-    def fn(lp, rows):  # scaled to the whole batch's tokens, so micro-batches add up
-        m = mask[rows].float()
-        return -(lp * m).sum() / mask.float().sum(), {}
-    return fn
-
-
 def test_logprob_convention_matches_a_plain_forward(tiny_ckpt):
-    ids, attn = _batch()
+    ids, attn = masked_batch(4, 12)
     backend = FSDP2Backend(str(tiny_ckpt), train=False)
     lp = backend.logprobs(ids, attn)
     logits = backend.model(input_ids=ids, attention_mask=attn).logits
@@ -59,10 +44,10 @@ def _sharded_worker(rank: int, world: int, ckpt: str, store_path: str, out: str)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        ids, attn = _batch()
+        ids, attn = masked_batch(4, 12)
         backend = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT)
         before = backend.logprobs(ids, attn)
-        metrics = backend.train_step(ids, attn, _loss(attn))
+        metrics = backend.train_step(ids, attn, masked_loss(attn))
         after = backend.logprobs(ids, attn)
         state = backend.full_state_dict()
         if rank == 0:
@@ -75,10 +60,10 @@ def _sharded_worker(rank: int, world: int, ckpt: str, store_path: str, out: str)
 
 
 def test_fsdp2_over_two_gloo_ranks_equals_one_process(tiny_ckpt, tmp_path):
-    ids, attn = _batch()
+    ids, attn = masked_batch(4, 12)
     single = FSDP2Backend(str(tiny_ckpt), optim=OPT)
     ref_before = single.logprobs(ids, attn)
-    ref_metrics = single.train_step(ids, attn, _loss(attn))
+    ref_metrics = single.train_step(ids, attn, masked_loss(attn))
     ref_after = single.logprobs(ids, attn)
     ref_state = single.full_state_dict()
 
@@ -116,11 +101,11 @@ def test_checkpoint_checks_name_the_problem(tiny_ckpt, tmp_path):
 def test_micro_batches_accumulate_to_the_full_batch_step(tiny_ckpt):
     """trainer.micro_batch_size is honoured: four micro-batches of one row, each loss scaled
     to its share, give the same step as one pass over the four rows."""
-    ids, attn = _batch()
+    ids, attn = masked_batch(4, 12)
     full = FSDP2Backend(str(tiny_ckpt), optim=OPT)
-    m_full = full.train_step(ids, attn, _loss(attn))
+    m_full = full.train_step(ids, attn, masked_loss(attn))
     micro = FSDP2Backend(str(tiny_ckpt), optim=OPT)
-    m_micro = micro.train_step(ids, attn, _loss(attn), micro_batch_size=1)
+    m_micro = micro.train_step(ids, attn, masked_loss(attn), micro_batch_size=1)
     assert (m_full["micro_batches"], m_micro["micro_batches"]) == (1, 4)
     assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5)
     a, b = full.full_state_dict(), micro.full_state_dict()
@@ -131,11 +116,11 @@ def test_micro_batches_accumulate_to_the_full_batch_step(tiny_ckpt):
 def test_optimizer_name_is_honoured(tiny_ckpt):
     """adam puts weight decay into the gradient, adamw decouples it: with decay on, one
     step of each lands on different weights, and each backend holds the named class."""
-    ids, attn = _batch()
+    ids, attn = masked_batch(4, 12)
     states = {}
     for name, cls in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
         b = FSDP2Backend(str(tiny_ckpt), optim=OptimConfig(name=name, lr=1e-2, weight_decay=0.1))
         assert type(b.optimizer) is cls
-        b.train_step(ids, attn, _loss(attn))
+        b.train_step(ids, attn, masked_loss(attn))
         states[name] = b.full_state_dict()
     assert any(not torch.equal(states["adam"][k], states["adamw"][k]) for k in states["adam"])

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import typing
 from pathlib import Path
@@ -19,6 +18,7 @@ from hpc_rl.launchers.base import LAUNCHERS
 from hpc_rl.launchers.local import Rank, culprit as local_culprit
 from hpc_rl.rundir import RunDir
 from hpc_rl.slurm.sbatch import _role_reports
+from import_checks import imported_modules
 
 
 def test_registry_schema_and_recipe_groups_name_the_same_launchers():
@@ -32,14 +32,7 @@ def test_registry_schema_and_recipe_groups_name_the_same_launchers():
 def test_no_launcher_imports_the_cli():
     """launch.py imports the launchers; an import back (even inside a function) is a circle."""
     for path in Path(hpc_rl.launchers.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            assert "hpc_rl.launch" not in names, f"{path.name} imports hpc_rl.launch"
+        assert "hpc_rl.launch" not in imported_modules(path), f"{path.name} imports hpc_rl.launch"
 
 
 # (exit status, error report) -> class; the order of RULES decides the overlaps

@@ -15,6 +15,7 @@ from hpc_rl.models.assets import ModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
 from hpc_rl.models.parallel.mesh import ParallelDims
 from hpc_rl.models.parallel.tensor_parallel import tp_problems
+from backend_batches import masked_batch, masked_loss  # odd length: sequence parallel pads it
 
 SPEC = ModelSpec(hidden=32, intermediate=64, layers=2, heads=2, max_positions=64)
 # Adam's first step is lr * g / (|g| + eps): for gradients near eps it magnifies float32
@@ -30,20 +31,7 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return save_untrained(tmp_path_factory.mktemp("tiny_tp"), SPEC, seed=0)
 
 
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(8, 100, (4, 11), generator=g)  # odd length: sequence parallel pads it
-    attn = torch.ones_like(ids)
-    attn[1, 9:] = 0
-    attn[3, 6:] = 0
-    return ids, attn
 
-
-def _loss(mask):
-    def fn(lp, rows):
-        m = mask[rows].float()
-        return -(lp * m).sum() / mask.float().sum(), {}
-    return fn
 
 
 def _prompts():
@@ -54,10 +42,10 @@ def _prompts():
 def _tp_worker(rank: int, world: int, ckpt: str, store: str, out: str, sp: bool, mbs, parallel=None) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        ids, attn = _batch()
+        ids, attn = masked_batch(4, 11)
         b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel=parallel or {"tp": 2}, sequence_parallel=sp)
         before = b.logprobs(ids, attn)
-        metrics = b.train_step(ids, attn, _loss(attn), micro_batch_size=mbs)
+        metrics = b.train_step(ids, attn, masked_loss(attn), micro_batch_size=mbs)
         state = b.full_state_dict()
         shards = {n: (start, t.clone()) for n, (start, t) in b.local_shards().items()}
         layout = b.source_layout("float32").to_dict()
@@ -86,10 +74,10 @@ def _run_tp(tmp_path, ckpt, sp, mbs=None, world=2, parallel=None):
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
     """The dp-only backend in one process: log-probs, one step, greedy answers."""
-    ids, attn = _batch()
+    ids, attn = masked_batch(4, 11)
     single = FSDP2Backend(str(tiny_ckpt), optim=OPT)
     before = single.logprobs(ids, attn)
-    metrics = single.train_step(ids, attn, _loss(attn))
+    metrics = single.train_step(ids, attn, masked_loss(attn))
     pids, pattn = _prompts()
     greedy = single.greedy(pids, pattn, 6, eos_id=7, pad_id=0)
     return {"before": before, "metrics": metrics, "state": single.full_state_dict(), "greedy": greedy}
@@ -99,7 +87,7 @@ def reference(tiny_ckpt):
 @pytest.mark.parametrize("sp,mbs", [(True, 1), (False, None)], ids=["sequence_parallel-microbatch1", "tp_only"])
 def test_tp2_equals_dp_only_logprobs_and_step(tiny_ckpt, reference, tmp_path, sp, mbs):
     ranks = _run_tp(tmp_path, tiny_ckpt, sp, mbs)
-    ids, attn = _batch()
+    ids, attn = masked_batch(4, 11)
     vocab = reference["state"]["lm_head.weight"].shape[0]
     for got in ranks:
         assert got["vocab_here"] == vocab // 2  # log-probs from half the vocabulary's logits per rank
