@@ -7,8 +7,8 @@ A stage's state comes from the most trusted source that knows it:
      ends) -- a het job's components folded into one state;
   3. the DAG: a stage Slurm no longer knows, that never wrote a verdict, whose upstream stage
      failed, was cancelled by Slurm (--kill-on-invalid-dep) because of that failure.
-The Slurm queries here are this package's own (hpc_rl/slurm/executor.py has its watcher;
-this module reads only the job ids pipeline.json records).
+The Slurm queries are the executor's (hpc_rl/slurm/executor.py: sacct_records,
+squeue_records); this module asks them for the job ids pipeline.json records.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.slurm.executor import sacct_records, squeue_records
+from hpc_rl.slurm.states import TERMINAL_BAD, aggregate_state
 
 PIPELINE_FILE = "pipeline.json"
 ATTEMPTS_DIR = "attempts"
 DONE = "COMPLETED"
-BAD = ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+BAD = TERMINAL_BAD
 ALIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED", "REQUEUE_HOLD")
 NOT_SUBMITTED = "NOT_SUBMITTED"
 
@@ -72,48 +74,26 @@ class PipelineRecord:
         return cls(**doc)
 
 
-def _fold(states: List[str]) -> str:
-    """One state for a het job from its components' states: the worst wins."""
-    states = [s.split()[0].upper() for s in states if s]
-    for bad in BAD:
-        if bad in states:
-            return bad
-    if states and all(s == DONE for s in states):
-        return DONE
-    for alive in ALIVE:
-        if alive in states:
-            return alive
-    return states[0] if states else "UNKNOWN"
-
-
 def slurm_states(job_ids: List[str]) -> Dict[str, tuple]:
-    """job id -> (state, reason) from sacct (accounting on) or squeue; jobs neither knows are absent."""
+    """job id -> (state, Slurm's reason), per id from sacct where it lists the job, else
+    squeue (the executor's queries and parsers); jobs neither knows are absent."""
     ids = [j for j in job_ids if j]
     if not ids:
         return {}
-    rows: Dict[str, List[tuple]] = {}
     try:
-        proc = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State,Reason", "-j", ",".join(ids)],
-                              capture_output=True, text=True, timeout=30)
-        if proc.returncode == 0 and proc.stdout.strip():
-            for line in proc.stdout.splitlines():
-                parts = (line.split("|") + ["", ""])[:3]
-                if parts[0].split("+")[0].isdigit():
-                    rows.setdefault(parts[0].split("+")[0], []).append((parts[1], parts[2]))
-        if not rows:
-            proc = subprocess.run(["squeue", "-t", "all", "-h", "-o", "%i|%T|%r", "-j", ",".join(ids)],
-                                  capture_output=True, text=True, timeout=30)
-            for line in proc.stdout.splitlines():
-                parts = (line.strip().split("|") + ["", ""])[:3]
-                if parts[0]:
-                    rows.setdefault(parts[0].split("+")[0], []).append((parts[1], parts[2]))
+        by_sacct = sacct_records(ids) or {}
+    except (OSError, subprocess.TimeoutExpired):  # no sacct, or slurmdbd hangs
+        by_sacct = {}
+    missing = [j for j in ids if j not in by_sacct]
+    try:
+        by_squeue = squeue_records(missing) if missing else {}
     except (OSError, subprocess.TimeoutExpired):
-        return {}
+        by_squeue = {}
     out = {}
-    for jid, comps in rows.items():
-        state = _fold([c[0] for c in comps])
-        reasons = [c[1] for c in comps if c[1] and c[1] not in ("None", "(null)")]
-        out[jid] = (state, reasons[0] if reasons else "")
+    for jid in ids:
+        rec = by_sacct.get(jid) or by_squeue.get(jid)
+        if rec is not None and rec.components:
+            out[jid] = (aggregate_state(rec.states().values()), rec.reason())
     return out
 
 

@@ -31,7 +31,24 @@ from .sbatch import RenderOptions, job_name, render
 from .states import (SACCT_FIELDS, SQUEUE_FORMAT, TERMINAL_BAD, JobIdentity, JobRecord, Row, aggregate_state, culprit, fitting,
                      parse_sacct, parse_squeue, role_state)
 
-__all__ = ["TERMINAL_BAD", "HetInfoWatcher", "HetJob", "HetSlurmExecutor", "job_from_run_dir", "aggregate_state"]
+__all__ = ["TERMINAL_BAD", "HetInfoWatcher", "HetJob", "HetSlurmExecutor", "job_from_run_dir", "aggregate_state",
+           "sacct_records", "squeue_records"]
+
+def sacct_records(ids: tp.List[str]) -> tp.Optional[tp.Dict[str, JobRecord]]:
+    """Job id -> sacct's record (components and steps); None when accounting does not
+    answer (disabled, slurmdbd down)."""
+    cmd = ["sacct", "-n", "-P", "-o", SACCT_FIELDS, "-j", ",".join(ids)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return parse_sacct(proc.stdout) if proc.returncode == 0 else None
+
+
+def squeue_records(ids: tp.List[str]) -> tp.Dict[str, JobRecord]:
+    """Job id -> squeue's record (components only) for the ids squeue still lists."""
+    # squeue exits 1 when one of the ids is unknown but still lists the others
+    proc = subprocess.run(["squeue", "-t", "all", "-h", "-o", SQUEUE_FORMAT, "-j", ",".join(ids)],
+                          capture_output=True, text=True, timeout=60)
+    return parse_squeue(proc.stdout)
+
 
 class HetInfoWatcher(submitit_core.InfoWatcher):
     """Per-component states of het jobs, per job id from the first source that knows it:
@@ -56,19 +73,9 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
     def get_state(self, job_id: str, mode: str = "standard") -> str:
         return str(self.get_info(job_id, mode=mode).get("State") or "UNKNOWN")
 
-    @staticmethod
-    def _sacct(ids: tp.List[str]) -> tp.Optional[tp.Dict[str, JobRecord]]:
-        """None when accounting does not answer (disabled, slurmdbd down)."""
-        cmd = ["sacct", "-n", "-P", "-o", SACCT_FIELDS, "-j", ",".join(ids)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        return parse_sacct(proc.stdout) if proc.returncode == 0 else None
-
-    @staticmethod
-    def _squeue(ids: tp.List[str]) -> tp.Dict[str, JobRecord]:
-        # squeue exits 1 when one of the ids is unknown but still lists the others
-        proc = subprocess.run(["squeue", "-t", "all", "-h", "-o", SQUEUE_FORMAT, "-j", ",".join(ids)],
-                              capture_output=True, text=True, timeout=60)
-        return parse_squeue(proc.stdout)
+    # the sources, as attributes so a test can stand in for an outage
+    _sacct = staticmethod(sacct_records)
+    _squeue = staticmethod(squeue_records)
 
     def exit_record(self, job_id: str) -> tp.Optional[dict]:
         """job_exit.json when the batch shell of this job (not an older one of the same id) wrote it."""

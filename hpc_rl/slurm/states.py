@@ -29,8 +29,9 @@ SLURM_TIME = "%Y-%m-%dT%H:%M:%S"
 # sbatch) may differ from the controller's: a reused id is older than this by far.
 CLOCK_SLACK_S = 300.0
 
-SACCT_FIELDS = "JobID,JobName,State,ExitCode,Submit,End"
-SQUEUE_FORMAT = "%i|%T|%j|%V"
+# Reason last: a pending job's why (Resources, Dependency, DependencyNeverSatisfied)
+SACCT_FIELDS = "JobID,JobName,State,ExitCode,Submit,End,Reason"
+SQUEUE_FORMAT = "%i|%T|%j|%V|%r"
 
 
 def first_word(state: str) -> str:
@@ -112,6 +113,7 @@ class Row:
     submit: str = ""
     exit_code: str = ""
     end: str = ""
+    reason: str = ""  # Slurm's reason ("None" when there is none)
 
 
 @dataclass
@@ -123,6 +125,10 @@ class JobRecord:
 
     def states(self) -> tp.Dict[str, str]:
         return {cid: first_word(row.state) for cid, row in self.components.items()}
+
+    def reason(self) -> str:
+        """The first component's Slurm reason that says something ("" when none does)."""
+        return next((r.reason for r in self.components.values() if r.reason not in ("", "None", "(null)")), "")
 
 
 def component_of(job_id: str) -> tp.Tuple[str, str]:
@@ -141,7 +147,7 @@ def parse_sacct(text: str) -> tp.Dict[str, JobRecord]:
         jid, name, state, exit_code, submit, end = parts[:6]
         comp, step = component_of(jid)
         rec = out.setdefault(leader_of(comp), JobRecord())
-        row = Row(jid, state, name, submit, exit_code, end)
+        row = Row(jid, state, name, submit, exit_code, end, parts[6] if len(parts) > 6 else "")
         if not step:
             rec.components[comp] = row
         elif step.isdigit():  # a role's srun; .batch and .extern are the shell's, not a role's
@@ -158,7 +164,9 @@ def parse_squeue(text: str) -> tp.Dict[str, JobRecord]:
             continue
         name = parts[2] if len(parts) > 2 else ""
         submit = parts[3] if len(parts) > 3 else ""
-        out.setdefault(leader_of(parts[0]), JobRecord()).components[parts[0]] = Row(parts[0], parts[1], name, submit)
+        reason = parts[4] if len(parts) > 4 else ""
+        out.setdefault(leader_of(parts[0]), JobRecord()).components[parts[0]] = Row(parts[0], parts[1], name, submit,
+                                                                                     reason=reason)
     return out
 
 
