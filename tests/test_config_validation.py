@@ -41,7 +41,7 @@ INVALID = [
     (["trainer.optimizer.betas=[0.9,1.5]"], "trainer.optimizer.betas", "two numbers in [0, 1)"),
     (["trainer.scheduler.warmup_start_lr=1e-5"], "trainer.scheduler.warmup_start_lr", "must lie in [0, optimizer.lr"),
     (["launcher.name=slrum"], "launcher.name", "did you mean 'slurm'"),
-    (["cluster=local_slurm"], "cluster.max_nodes", "the job needs 128 nodes"),
+    (["cluster=local_slurm"], "cluster.max_nodes", "the job needs 224 nodes"),  # het components never share a node
     (["cluster=local_slurm"], "trainer.backend", "Megatron-core's forward path needs CUDA"),
     (["trainer.parallel.tp=1", "trainer.parallel.cp=32"], "trainer.sequence_parallel", "needs tp > 1"),
     (["algo.async_rollout.enabled=false"], "algo.async_rollout.in_flight_weight_updates", "need asynchronous rollouts"),

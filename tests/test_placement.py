@@ -130,7 +130,8 @@ def test_required_topology_without_a_source_names_the_sources_to_configure():
 
 def test_ranks_are_renumbered_so_ep_groups_sit_in_one_rack(tmp_path):
     """4 trainer nodes x 1 task with EP over 2 nodes; Slurm's order alternates racks."""
-    cfg = load_config(["+recipe=comm_check", "cluster=local_slurm", "trainer.nodes=4", "trainer.parallel.ep=2",
+    # 7 nodes announced by hand (nothing is submitted): one more than the local cluster has
+    cfg = load_config(["+recipe=comm_check", "cluster=local_slurm", "cluster.max_nodes=7", "trainer.nodes=4", "trainer.parallel.ep=2",
                        "trainer.global_batch_size=4", "algo.prompts_per_step=4"])
     plan = build_plan(cfg)
     assert plan.role("trainer").segment_size == 2

@@ -293,8 +293,9 @@ def check_job(out: List[Violation], cfg: RunConfig) -> None:
     if cfg.recipe is None:
         out.append(Violation("recipe", None, "no recipe chosen", "add +recipe=<name> (see recipes/recipe/)"))
     sizes = [r.nodes for _, _, r in role_sections(cfg) if r.nodes > 0]
-    # Exclusive components take distinct nodes; shared ones (local clusters) can overlap.
-    total = sum(sizes) if cfg.cluster.exclusive else max(sizes, default=0)
+    # Slurm never places two components of one het job on the same node, shared nodes or not
+    # (a 7-node job on the 6-node local cluster pends forever); cluster=local has no max_nodes.
+    total = sum(sizes)
     if cfg.cluster.max_nodes is not None and total > cfg.cluster.max_nodes:
         out.append(Violation("cluster.max_nodes", cfg.cluster.max_nodes, f"the job needs {total} nodes",
                              "lower the roles' nodes or choose a larger cluster="))
