@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, ep: int, device: str, ckpt: str, store_path: 
         got = {}
         for name, size in (("dp", 1), ("ep", ep)):
             torch.manual_seed(0)
-            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OptimConfig(lr=1e-2, grad_clip=0.05), ep=size,
+            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OptimConfig(lr=1e-2, grad_clip=0.05), parallel={"ep": size},
                              device=device)
             before = b.logprobs(ids, attn).cpu()
             t0 = time.perf_counter()

@@ -48,7 +48,7 @@ def _trainer(rank: int, port: int, ckpt: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("trainers", store), rank=rank, world_size=EP)
     try:
         torch.manual_seed(0)
-        backend = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OptimConfig(lr=1e-2), ep=EP)
+        backend = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OptimConfig(lr=1e-2), parallel={"ep": EP})
         b = _batch(AutoTokenizer.from_pretrained(ckpt), addition(32, seed=5))
         rows = slice(rank, None, EP)
         keep = b["labels"][rows] != -100

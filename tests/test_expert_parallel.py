@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, ep: int, ckpt: str, store_path: str, out: str
         got = {}
         for name, size in (("dp", 1), ("ep", ep)):
             torch.manual_seed(0)
-            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, ep=size)
+            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel={"ep": size})
             got[name] = {"before": b.logprobs(ids, attn),
                          "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
                          "after": b.logprobs(ids, attn), "state": b.full_state_dict(),

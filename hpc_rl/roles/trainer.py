@@ -32,9 +32,9 @@ class TrainerRole:
             cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer,
             parallel=parallel_sizes(cfg.trainer.parallel), sequence_parallel=cfg.trainer.sequence_parallel))
         p = cfg.trainer.parallel
-        self.log.info("student %s loaded (%s over %d ranks: dp %d x cp %d x tp %d, ep %d, %s)", cfg.model.path,
+        self.log.info("student %s loaded (%s over %d ranks: dp %d x cp %d x tp %d%s, %s)", cfg.model.path,
                       cfg.trainer.backend, dist.get_world_size(ctx.groups.role), self.backend.dp_size,
-                      p.cp, p.tp, p.ep, cfg.trainer.precision)
+                      p.cp, p.tp, f", expert parallel {p.ep}" if p.ep > 1 else "", cfg.trainer.precision)
         self.refit_ep = None
         self._refit_cast = None
         self.refit_dtype = torch_dtype(cfg.generator.precision)
