@@ -88,3 +88,26 @@ def test_async_grpo_trains_one_step_behind_and_never_beyond_the_bound(tmp_path):
         assert r["versions"]["age"] == ({"0": 128} if r["step"] == 1 else {"1": 128})
         assert {"wait_rows_s", "generate_busy_s", "train_s", "refit_s", "step_s"} <= set(r["timing"])
     assert (run / "FINISHED").exists()
+
+
+@pytest.mark.slow
+def test_in_flight_weight_updates_land_mid_generation_within_the_bound(tmp_path):
+    # 128 samples per step through 8 engine slots: sampling a step takes many scheduler steps
+    # and outlasts the trainer's step, so each step's weights land while the next one samples.
+    run = tmp_path / "run"
+    rows = _launch(run, "+recipe=tiny_grpo", *SMALL, "algo.async_rollout.in_flight_weight_updates=true",
+                   "generator.max_num_seqs=8")
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    straddled = 0
+    with h5py.File(run / "rollouts.h5", "r") as f:
+        for s in range(1, 5):
+            g = f[f"step_{s:06d}"]
+            first, last = g["weight_version_first"][:], g["weight_version_last"][:]
+            assert ((s - 1) - first <= 1).all(), (s, first)  # the age bound (1), from the oldest version seen
+            assert (last >= first).all() and (last <= max(s - 1, 0)).all(), (s, first, last)
+            straddled += int((last != first).sum())
+    assert straddled > 0, "no trained sample saw two weight versions: no refit landed mid-generation"
+    assert sum(r["versions"]["changed_mid_sample"] for r in steps) == straddled
+    assert all(r["async"]["stale_dropped"] == 0 for r in steps)
+    assert (run / "FINISHED").exists()

@@ -45,6 +45,8 @@ INVALID = [
     (["cluster=local_slurm"], "trainer.backend", "Megatron-core's forward path needs CUDA"),
     (["trainer.parallel.tp=1", "trainer.parallel.cp=32"], "trainer.sequence_parallel", "needs tp > 1"),
     (["algo.async_rollout.enabled=false"], "algo.async_rollout.in_flight_weight_updates", "need asynchronous rollouts"),
+    (["algo.async_rollout.in_flight_weight_updates=false", "algo.async_rollout.recompute_kv_cache_after_weight_updates=true"],
+     "algo.async_rollout.recompute_kv_cache_after_weight_updates", "nothing to recompute"),
     (["algo.mismatch.kind=none"], "algo.mismatch.kind", "importance-sampling correction"),
     (["algo.async_rollout.max_trajectory_age_steps=0"], "algo.async_rollout.max_trajectory_age_steps", "every sample is 1 step old"),
     (["trainer.nodez=3"], "trainer.nodez", "did you mean trainer.nodes?"),
@@ -131,15 +133,12 @@ UNSUPPORTED = [
      "not both in one model"),
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
-    (TINY + ["algo.async_rollout.enabled=true", "algo.async_rollout.in_flight_weight_updates=true"],
-     "algo.async_rollout.in_flight_weight_updates", "between collections"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
     (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2 and qwen3_moe checkpoints only"),
     (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "only for an MoE student"),
-    (ULTRA, "algo.async_rollout.in_flight_weight_updates", "asynchronous rollouts"),
 ]
 
 
@@ -162,11 +161,11 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     cfg = load_config(ULTRA)
     assert build_plan(cfg).total_nodes == 224
     keys = {v.key for v in unsupported(cfg)}
-    # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16); async runs (#15)
-    assert keys == {"generator.parallel.tp", "generator.parallel.ep", "model.architecture",
-                    "algo.async_rollout.in_flight_weight_updates"}, keys
+    # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16); async with
+    # in-flight weight updates runs (#15)
+    assert keys == {"generator.parallel.tp", "generator.parallel.ep", "model.architecture"}, keys
     text = render_unsupported(unsupported(cfg))
-    assert text.startswith("settings this version cannot run yet") and "fix: set algo.async_rollout.in_flight_weight_updates=false" in text
+    assert text.startswith("settings this version cannot run yet") and "fix: set generator.parallel.tp=1" in text
     assert render_unsupported([]) == ""
 
 

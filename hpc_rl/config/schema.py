@@ -244,6 +244,10 @@ class AsyncConfig(Traced):
     enabled: bool = False
     max_trajectory_age_steps: int = 1
     in_flight_weight_updates: bool = False
+    # After an in-flight refit, drop the running requests' KV cache so their prompts and
+    # tokens so far are prefilled again under the new weights (false: keep the cache built
+    # by the old weights, as NeMo RL's default).
+    recompute_kv_cache_after_weight_updates: bool = False
 
 
 @dataclass

@@ -3,7 +3,7 @@
 `validate` (validate.py) finds configs that are wrong: always fatal, also for the dry run.
 `unsupported` finds configs that are right but ask for something the runtime of this
 version does not do (context/expert/pipeline parallel training beyond what the chosen backend has,
-expert parallel outside MoE students, in-flight weight updates, a reference-KL penalty, checkpoints
+expert parallel outside MoE students, a reference-KL penalty, checkpoints
 the chosen backend cannot load). Real launches (launcher=local|slurm, a hand-submitted
 script) refuse them; the dry run still plans and renders such a recipe (the flagship
 ultra_mopd is one) and lists them with `render_unsupported`.
@@ -150,12 +150,6 @@ RULES: List[Rule] = [
          "attention and MoE layers, which this version does not have (docs/megatron.md)",
          f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
          example="nemotron_h", applies=_megatron),
-    # Asynchronous rollouts run (rl/async_rollout.py) with weights loaded between orders;
-    # loading them while an engine is mid-generation is not built yet.
-    Rule("algo.async_rollout.in_flight_weight_updates", bool,
-         "in-flight weight updates (a refit landing while the engine is mid-generation) are not implemented "
-         "in this version; asynchronous rollouts load the new weights between collections",
-         "set algo.async_rollout.in_flight_weight_updates=false", example=True),
     Rule("algo.ref_kl_coef", lambda v: v != 0,
          "this version has no reference model and no KL penalty against it; the coefficient would be ignored",
          "set algo.ref_kl_coef=0.0", example=0.1),

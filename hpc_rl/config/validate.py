@@ -23,6 +23,7 @@ from .resources import (
     world_size,
 )
 from .schema import GeneratorConfig, RoleResources, RunConfig
+from .validate_async import check_in_flight
 from .validate_logging import check_logging
 
 
@@ -284,9 +285,7 @@ def check_algo(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("algo.async_rollout.max_trajectory_age_steps", 0, "asynchronous rollouts sample step k+1 "
                              "while step k trains, so every sample is 1 step old: a bound of 0 drops them all",
                              "set algo.async_rollout.max_trajectory_age_steps=1 or more (or enabled=false)"))
-    if asy.in_flight_weight_updates and not asy.enabled:
-        out.append(Violation("algo.async_rollout.in_flight_weight_updates", True, "in-flight weight updates need asynchronous rollouts",
-                             "set algo.async_rollout.enabled=true or in_flight_weight_updates=false"))
+    check_in_flight(out, asy)
 
 
 def check_job(out: List[Violation], cfg: RunConfig) -> None:

@@ -9,7 +9,7 @@ refit plan's destination layout, joins the refit group and receives refits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from hpc_rl.refit.vllm_engine import SampleRow
 
@@ -31,8 +31,11 @@ class InferenceEngine(Protocol):
     weight_version: int  # the trainer step whose weights the engine serves (0: the initial ones)
     tensor_parallel: int  # refit ranks this engine contributes (one per worker)
 
-    def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int]) -> List[SampleRow]:
-        """One row per chat (a prompt string or a list of messages)."""
+    def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int],
+               between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:
+        """One row per chat (a prompt string or a list of messages), with the first and last
+        weight versions of its tokens; `between_steps` runs between the engine's scheduler
+        steps (in-flight refits land there)."""
 
     def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """The live model's parameters (name -> local shape, dtype): the destination layout
@@ -43,6 +46,10 @@ class InferenceEngine(Protocol):
 
     def refit(self, version: int, timeout_s: float) -> Dict[str, Any]:
         """Receive and load the weights of trainer step `version` (every worker stamps it)."""
+
+    def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, Any]:
+        """`refit` while requests are mid-generation (called from `between_steps`): running
+        requests keep going afterwards, on their KV cache or (`recompute_kv`) a recomputed one."""
 
 
 @dataclass(frozen=True)

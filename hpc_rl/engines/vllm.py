@@ -4,7 +4,7 @@ are refused by validation until engines span several tasks). It wraps the refit-
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hpc_rl.refit.vllm_engine import SampleRow, VLLMGenerator
 
@@ -35,11 +35,13 @@ class VLLMEngine:
     def tensor_parallel(self) -> int:
         return self.vllm.tensor_parallel
 
-    def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int]) -> List[SampleRow]:
+    def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int],
+               between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:
         tok = self.vllm.tokenizer
         prompts = [tok.apply_chat_template(_messages(m), tokenize=False, add_generation_prompt=True) for m in messages]
         return self.vllm.sample(prompts, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                max_tokens=sampling.max_tokens, stop=list(sampling.stop), seed=list(seeds))
+                                max_tokens=sampling.max_tokens, stop=list(sampling.stop), seed=list(seeds),
+                                between_steps=between_steps)
 
     def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         return self.vllm.params()
@@ -49,6 +51,9 @@ class VLLMEngine:
 
     def refit(self, version: int, timeout_s: float) -> Dict[str, Any]:
         return self.vllm.refit(version, timeout_s)
+
+    def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, Any]:
+        return self.vllm.refit_in_flight(version, timeout_s, recompute_kv)
 
 
 def _messages(prompt: Any) -> list:

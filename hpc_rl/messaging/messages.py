@@ -44,6 +44,14 @@ class Order:
     # After forwarding this collection's rows, receive the trainer's weights of this version
     # (None: no refit follows). Lock-step: the order's own step; async: the step before it.
     refit_after: Optional[int] = None
+    # In-flight weight updates: the trainer's weights of this version are sent while this
+    # order samples (announced on the store, IN_FLIGHT_KEY); the generator loads them between
+    # scheduler steps, or after sampling, and always before it sends the driver the rows.
+    refit_in_flight: Optional[int] = None
+
+
+# Set by the driver just before the trainer ranks send an in-flight refit: the generators poll it between scheduler steps.
+IN_FLIGHT_KEY = "hpc_rl/in_flight_refit/{restart}/{version}"
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -82,6 +82,14 @@ class VLLMGenerator:
         self.tensor_parallel = tensor_parallel
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_version = 0
+        self._requests = 0  # request ids of the stepped sampler
+        # The engine labels each output token with the weight version it served then
+        # (CompletionOutput.weight_versions): that is how a sample's first and last versions
+        # are known when a refit lands mid-generation.
+        self._core().set_weight_version("0")
+
+    def _core(self):
+        return self.llm.llm_engine.engine_core
 
     def chat_prompts(self, prompts: Sequence[str]) -> List[str]:
         return [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -89,25 +97,69 @@ class VLLMGenerator:
 
     def sample(self, prompts: Sequence[str], temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                max_tokens: int = 32, stop: Sequence[str] = (),
-               seed: Union[None, int, Sequence[int]] = None) -> List[SampleRow]:
-        """One row per prompt: prompt ids, sampled ids with their logprobs, truncation, text.
+               seed: Union[None, int, Sequence[int]] = None,
+               between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:
+        """One row per prompt: prompt ids, sampled ids with their logprobs, truncation, text,
+        and the first and last weight versions its tokens were sampled under.
         `seed` may be one seed per prompt: a request's sample then depends only on its own
-        seed, not on what else is in the batch (reproducible resumes)."""
+        seed, not on what else is in the batch (reproducible resumes). With `between_steps`
+        the engine is stepped here and the callback runs between scheduler steps (in-flight
+        refits)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        # stepped: only finished requests' outputs come back from each step
+        extra = {} if between_steps is None else {"output_kind": RequestOutputKind.FINAL_ONLY}
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                 stop=list(stop), logprobs=0, seed=s) for s in seeds]
-        outs = self.llm.generate(list(prompts), params, use_tqdm=False)
-        rows = []
-        for o in outs:
-            c = o.outputs[0]
-            lps = [next(iter(d.values())).logprob if d else 0.0 for d in (c.logprobs or [])]
-            rows.append(SampleRow(list(o.prompt_token_ids), list(c.token_ids), lps[:len(c.token_ids)],
-                                  c.finish_reason == "length", c.text))
-        return rows
+                                 stop=list(stop), logprobs=0, seed=s, **extra) for s in seeds]
+        if between_steps is None:
+            outs = self.llm.generate(list(prompts), params, use_tqdm=False)
+        else:
+            outs = self._stepped(prompts, params, between_steps)
+        return [self._row(o) for o in outs]
+
+    def _stepped(self, prompts: Sequence[str], params, between_steps: Callable[[], None]):
+        """Drive the engine one scheduler step at a time and call `between_steps` after each:
+        a refit it lands applies to the remaining tokens of every running request."""
+        engine = self.llm.llm_engine
+        ids = []
+        for p, sp in zip(prompts, params):
+            self._requests += 1
+            ids.append(f"hpc_rl-{self._requests}")
+            engine.add_request(ids[-1], p, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+            between_steps()
+        return [done[i] for i in ids]
+
+    def _row(self, o) -> SampleRow:
+        c = o.outputs[0]
+        lps = [next(iter(d.values())).logprob if d else 0.0 for d in (c.logprobs or [])]
+        spans = [int(s.version) for s in (c.weight_versions or []) if s.version is not None]
+        first, last = (spans[0], spans[-1]) if spans else (self.weight_version, self.weight_version)
+        return SampleRow(list(o.prompt_token_ids), list(c.token_ids), lps[:len(c.token_ids)],
+                         c.finish_reason == "length", c.text, version_first=first, version_last=last)
+
+    def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, float]:
+        """Load weights while requests are mid-generation: pause the scheduler keeping the
+        running requests (and their KV cache, unless `recompute_kv`: then it is dropped and
+        the requests' prompts and tokens so far are prefilled again under the new weights),
+        receive and load, stamp the version, resume."""
+        t0 = time.perf_counter()
+        core = self._core()
+        core.call_utility("pause_scheduler", "keep", recompute_kv)
+        try:
+            out = self.refit(version, timeout_s)
+        finally:
+            core.call_utility("resume_scheduler")
+        out["pause_to_resume_s"] = time.perf_counter() - t0
+        return out
 
     def generate(self, prompts: Sequence[str], temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_tokens: int = 32, stop: Sequence[str] = (), seed: Optional[int] = None) -> Rollouts:
@@ -139,6 +191,7 @@ class VLLMGenerator:
         # stamped by each worker after the end-of-refit barrier: the engine serves the oldest
         out["version"] = min(o["version"] for o in outs)
         self.weight_version = out["version"]
+        self._core().set_weight_version(str(out["version"]))  # the label of the tokens sampled from now on
         return out
 
     def worker_version(self) -> int:

@@ -26,7 +26,7 @@ import time
 from typing import Any, Dict, List, Optional, Union
 
 from hpc_rl.messaging import p2p as exchange
-from hpc_rl.messaging.messages import COLLECT, Batch, request_seed
+from hpc_rl.messaging.messages import COLLECT, IN_FLIGHT_KEY, Batch, request_seed
 
 from .staleness import drop_stale
 
@@ -37,6 +37,7 @@ class AsyncRollouts:
         self.sampling, self.it, self.stream, self.distill = sampling, it, stream, distill
         self.driver = collector.is_driver
         self.bound = self.cfg.algo.async_rollout.max_trajectory_age_steps
+        self.in_flight = self.cfg.algo.async_rollout.in_flight_weight_updates
         # Every trainer rank tracks the same control state (it decides who joins a refit);
         # the collections themselves live on the driver.
         self.ready: List[int] = []  # collected, untrained steps (the buffer's positions)
@@ -69,8 +70,8 @@ class AsyncRollouts:
             self._gather()
         if why:
             return why
-        if step + 1 <= self.cfg.run.max_steps:
-            self._order(step + 1, refit_after=step)
+        if step + 1 <= self.cfg.run.max_steps:  # in flight: step's weights land mid-sampling, sent by after_train
+            self._order(step + 1, refit_after=None if self.in_flight else step, in_flight=step if self.in_flight else None)
         gathered = self.buffer.pop(step) if self.driver else None
         self.ready.remove(step)
         depth = len(self.ready) + (self.outstanding is not None)  # steps collected or sampling ahead of this one
@@ -85,24 +86,40 @@ class AsyncRollouts:
                         "generate_busy_s": gathered["generate_busy_s"] if self.driver else 0.0}
         return batch
 
+    def after_train(self, step: int) -> float:
+        """In-flight weight updates: right after train step `step`, send its weights to the
+        generators sampling step + 1 (announced on the store: they load them between
+        scheduler steps, or after sampling). Returns the send's seconds."""
+        o = self.outstanding
+        if o is None or o["in_flight"] != step:
+            return 0.0
+        if self.driver:
+            self.ctx.store.set(IN_FLIGHT_KEY.format(restart=self.ctx.ident.restart, version=step), "1")
+        self.ctx.set_phase("refit")
+        o["in_flight"] = None
+        return self.trainer.refit()
+
     def drain(self) -> None:
         """Before a save: the outstanding order into the buffer (and its refit sent)."""
         if self.outstanding is not None:
             self._gather()
 
     # ------------------------------------------------------------------------------ pieces
-    def _order(self, step: int, refit_after: Optional[int]) -> None:
+    def _order(self, step: int, refit_after: Optional[int], in_flight: Optional[int] = None) -> None:
         records = None
         if self.driver:
             n = self.cfg.algo.generations_per_prompt
             records = [r for r in next(self.it) for _ in range(n)]
             seeds = {i: request_seed(self.cfg.run.seed, self.stream, step, i) for i in range(len(records))}
             self.collector.order(COLLECT, step, records, seeds=seeds, sampling=self.sampling, score_env=True,
-                                 score_teachers=self.distill, train=True, refit_after=refit_after)
-        self.outstanding = {"step": step, "records": records, "refit": refit_after is not None}
+                                 score_teachers=self.distill, train=True, refit_after=refit_after,
+                                 refit_in_flight=in_flight)
+        self.outstanding = {"step": step, "records": records, "refit": refit_after is not None, "in_flight": in_flight}
 
     def _gather(self) -> None:
         o = self.outstanding
+        # the generators send their rows only once they hold the in-flight weights: after_train first
+        assert o["in_flight"] is None, f"step {o['step']}: gathered before its in-flight refit was sent"
         t0 = time.perf_counter()
         if self.driver:
             self.ctx.set_phase("wait_rows")

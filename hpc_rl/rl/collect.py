@@ -33,7 +33,7 @@ class Collector:
             items = [(i, records[i], fields.get("seeds", {}).get(i, 0)) for i in mine]
             exchange.send(Order(kind, step, items, fields.get("sampling"), fields.get("score_env", False),
                                 fields.get("score_teachers", False), fields.get("train", False),
-                                fields.get("refit_after")), rank)
+                                fields.get("refit_after"), fields.get("refit_in_flight")), rank)
 
     def collect(self, records: Optional[List[PromptRecord]], sampling: Sampling, stream: int, step: int,
                 score_env: bool, score_teachers: bool, train: bool = False,

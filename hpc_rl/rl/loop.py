@@ -121,7 +121,8 @@ class RLLoop:
             train = self.trainer.train(batch)
             train_s = time.perf_counter() - t_train
             if self.pipeline:
-                refit_s = batch.timing.pop("refit_s")  # sent after the gather, before this train step
+                # sent after the gather, before this train step; in flight: sent now, while the next step samples
+                refit_s = batch.timing.pop("refit_s") + self.pipeline.after_train(step)
             else:
                 self.phase(progress, step, "refit")
                 refit_s = self.trainer.refit()  # the engines expect it after a training collection

@@ -11,7 +11,7 @@ from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.engines.base import EngineSpec, InferenceEngine
 from hpc_rl.engines.registry import build_engine
 from hpc_rl.messaging import p2p as exchange
-from hpc_rl.messaging.messages import COLLECT, END, FORWARDED, REFIT, STOP, TEACHER_EVAL, Order, Work
+from hpc_rl.messaging.messages import COLLECT, END, FORWARDED, IN_FLIGHT_KEY, REFIT, STOP, TEACHER_EVAL, Order, Work
 from hpc_rl.messaging.routes import Routes
 from hpc_rl.runtime.faults import maybe_inject
 
@@ -27,6 +27,9 @@ class GeneratorRole:
             cfg.model.path, g, max_model_len=g.max_model_len or cfg.trainer.max_seq_len,
             seed=cfg.run.seed + self.index, on_gpu=ctx.device.startswith("cuda")))
         self.log.info("%s engine up (%s, %s)", g.backend, g.precision, ctx.device)
+        asy = cfg.algo.async_rollout
+        self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
+        self.in_flight: Dict[str, Any] = {}  # the in-flight refit of the order being sampled
 
     def join_refit(self) -> None:
         """The driver sends the refit setup; the engine checks the destination layout
@@ -73,18 +76,26 @@ class GeneratorRole:
             if order.kind == END:
                 return done
 
+    def _poll_in_flight(self) -> None:
+        """Between scheduler steps: once the driver announces the refit, load it mid-generation."""
+        f = self.in_flight
+        if f["landed"] or not self.ctx.store.check([IN_FLIGHT_KEY.format(restart=self.ctx.ident.restart, version=f["version"])]):
+            return
+        out = self.engine.refit_in_flight(f["version"], self.cfg.refit.timeout_s, self.recompute_kv)
+        f["landed"] = True
+        self.log.debug("in-flight refit to version %d: %s", f["version"], out)
+
     def _forward(self, order: Order) -> None:
         """Sample (COLLECT), then send every consumer its part: scorers first, so scoring
         starts while the driver still collects the other engines' rows."""
         assert order.kind in FORWARDED, order.kind
         rows: List[Any] = [None] * len(order.items)
         t0 = time.perf_counter()
+        self.in_flight = {"version": order.refit_in_flight, "landed": order.refit_in_flight is None}
         if order.kind == COLLECT and order.items:
-            first = self.engine.weight_version
+            poll = self._poll_in_flight if order.refit_in_flight is not None else None
             rows = self.engine.sample([r.prompt for _, r, _ in order.items], order.sampling,
-                                      [seed for _, _, seed in order.items])
-            for row in rows:  # the engine loads weights only between orders: one version per sample
-                row.version_first, row.version_last = first, self.engine.weight_version
+                                      [seed for _, _, seed in order.items], between_steps=poll)
         gen_s = time.perf_counter() - t0
         self.ctx.set_phase("wait_send")  # each send returns once its consumer takes it
         items = [(i, rec, row) for (i, rec, _), row in zip(order.items, rows)]
@@ -96,5 +107,9 @@ class GeneratorRole:
         for group in self.routes.teachers:  # every head hears from every generator, even with nothing routed
             mine = [items[k] for k in by_group.get(group, [])]
             exchange.send(Work(order.kind, wanted_t, order.step, order.train, mine), self.routes.teacher_head(group))
+        if not self.in_flight["landed"]:  # sampling ended first: the trainer sends it after its train step
+            self.ctx.set_phase("refit")
+            out = self.engine.refit(order.refit_in_flight, self.cfg.refit.timeout_s)
+            self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))
         if order.kind == COLLECT:
             exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s), self.routes.driver)
