@@ -151,8 +151,12 @@ def test_sacct_one_failing_role_reads_failed_and_the_others_cancelled(accounting
     job = _submit(tmp_path / "run", "ft.inject_failure=generator:0")
     assert follow(job, poll_s=0.5, timeout_s=120, echo=lambda line: None) == "FAILED"
     assert job.source == "sacct"
-    assert job.component_states(force=True) == {"trainer": "CANCELLED", "generator": "FAILED", "teacher/math": "CANCELLED",
-                                                 "env": "CANCELLED"}
+    comps = job.component_states(force=True)
+    # Slurm cancels the other steps once the generator's fails, but a rank that sees its peer gone
+    # first (the teacher's exchange with the dead generator) may end FAILED on its own: the culprit
+    # is the step that failed first, not the only one.
+    assert comps["generator"] == "FAILED" and set(comps) == set(ROLES), comps
+    assert all(state in ("CANCELLED", "FAILED") for state in comps.values()), comps
     rec = json.loads((tmp_path / "run" / "job_exit.json").read_text())
     info = job.watcher.get_info(job.job_id, mode="cache")
     from_steps = states.culprit({role: info["steps"].get(cid, []) for role, cid in zip(job.roles, job.component_ids)})
