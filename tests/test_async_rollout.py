@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +62,9 @@ SMALL = ["run.max_steps=4", "algo.prompts_per_step=16", "trainer.global_batch_si
          "data.eval_prompts_per_task=0", "checkpoint.every_steps=2", "algo.async_rollout.enabled=true"]
 
 
-def _launch(run: Path, *args):
+def _launch(run: Path, *args, env=None):
     proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *args, f"run.dir={run}"], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -92,11 +93,16 @@ def test_async_grpo_trains_one_step_behind_and_never_beyond_the_bound(tmp_path):
 
 @pytest.mark.slow
 def test_in_flight_weight_updates_land_mid_generation_within_the_bound(tmp_path):
-    # 128 samples per step through 8 engine slots: sampling a step takes many scheduler steps
-    # and outlasts the trainer's step, so each step's weights land while the next one samples.
+    # 128 samples per step of at least 24 tokens (the tiny student ends its answers after
+    # about 3) through 4 engine slots: sampling a step takes some 800 scheduler steps (about
+    # 3 s) and outlasts the trainer's step (about 0.3 s), so each step's weights land while the
+    # next one samples. The roles are pinned to a core each, as on separate nodes: unpinned,
+    # the trainer's threads and vLLM's busy engine loop share both cores and the trainer's
+    # step stretched past the sampling (3-5 s of log-probs measured).
     run = tmp_path / "run"
     rows = _launch(run, "+recipe=tiny_grpo", *SMALL, "algo.async_rollout.in_flight_weight_updates=true",
-                   "generator.max_num_seqs=8")
+                   "generator.max_num_seqs=4", "generator.sampling.min_tokens=24", "generator.sampling.max_tokens=32",
+                   env=dict(os.environ, HPC_RL_CPU_AFFINITY="trainer=0;generator=1;env=1"))
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     straddled = 0

@@ -48,6 +48,7 @@ INVALID = [
     (["algo.async_rollout.in_flight_weight_updates=false", "algo.async_rollout.recompute_kv_cache_after_weight_updates=true"],
      "algo.async_rollout.recompute_kv_cache_after_weight_updates", "nothing to recompute"),
     (["algo.mismatch.kind=none"], "algo.mismatch.kind", "importance-sampling correction"),
+    (["generator.sampling.min_tokens=-1"], "generator.sampling.min_tokens", "must lie in [0, max_tokens=196608]"),
     (["algo.async_rollout.max_trajectory_age_steps=0"], "algo.async_rollout.max_trajectory_age_steps", "every sample is 1 step old"),
     (["trainer.nodez=3"], "trainer.nodez", "did you mean trainer.nodes?"),
     (["refit.timeout_s=0"], "refit.timeout_s", "a refit without a deadline can hang the job"),

@@ -167,6 +167,8 @@ class SamplingConfig(Traced):
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 64
+    # vLLM's min_tokens: EOS and stop strings are ignored until this many tokens are sampled
+    min_tokens: int = 0
     stop: List[str] = field(default_factory=list)
 
 

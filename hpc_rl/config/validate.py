@@ -198,6 +198,9 @@ def check_generator(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("generator.max_model_len", g.max_model_len,
                              f"exceeds trainer.max_seq_len={cfg.trainer.max_seq_len}: the engine could sample sequences the trainer refuses",
                              f"set generator.max_model_len <= {cfg.trainer.max_seq_len}, or raise trainer.max_seq_len"))
+    if not 0 <= sp.min_tokens <= sp.max_tokens:
+        out.append(Violation("generator.sampling.min_tokens", sp.min_tokens, f"must lie in [0, max_tokens={sp.max_tokens}]",
+                             f"set generator.sampling.min_tokens between 0 and {sp.max_tokens}"))
     if sp.max_tokens > max_len:
         out.append(Violation("generator.sampling.max_tokens", sp.max_tokens, f"exceeds the model length {max_len}",
                              f"set generator.sampling.max_tokens <= {max_len}"))

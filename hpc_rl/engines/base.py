@@ -21,9 +21,10 @@ class Sampling:
     top_k: int
     max_tokens: int
     stop: Tuple[str, ...] = ()
+    min_tokens: int = 0
 
     def greedy(self) -> "Sampling":
-        return Sampling(0.0, 1.0, -1, self.max_tokens, self.stop)
+        return Sampling(0.0, 1.0, -1, self.max_tokens, self.stop, self.min_tokens)
 
 
 @runtime_checkable

@@ -41,6 +41,7 @@ class VLLMEngine:
         prompts = [tok.apply_chat_template(_messages(m), tokenize=False, add_generation_prompt=True) for m in messages]
         return self.vllm.sample(prompts, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                 max_tokens=sampling.max_tokens, stop=list(sampling.stop), seed=list(seeds),
+                                min_tokens=sampling.min_tokens,
                                 between_steps=between_steps)
 
     def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:

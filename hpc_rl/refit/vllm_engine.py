@@ -98,7 +98,7 @@ class VLLMGenerator:
     def sample(self, prompts: Sequence[str], temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                max_tokens: int = 32, stop: Sequence[str] = (),
                seed: Union[None, int, Sequence[int]] = None,
-               between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:
+               between_steps: Optional[Callable[[], None]] = None, min_tokens: int = 0) -> List[SampleRow]:
         """One row per prompt: prompt ids, sampled ids with their logprobs, truncation, text,
         and the first and last weight versions its tokens were sampled under.
         `seed` may be one seed per prompt: a request's sample then depends only on its own
@@ -114,7 +114,7 @@ class VLLMGenerator:
         # stepped: only finished requests' outputs come back from each step
         extra = {} if between_steps is None else {"output_kind": RequestOutputKind.FINAL_ONLY}
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                 stop=list(stop), logprobs=0, seed=s, **extra) for s in seeds]
+                                 min_tokens=min_tokens, stop=list(stop), logprobs=0, seed=s, **extra) for s in seeds]
         if between_steps is None:
             outs = self.llm.generate(list(prompts), params, use_tqdm=False)
         else:

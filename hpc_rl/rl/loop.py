@@ -57,7 +57,7 @@ class RLLoop:
         self.driver = ctx.ident.global_rank == routes.driver
         self.distill = self.cfg.algo.name == "mopd" and bool(routes.teachers)
         s = self.cfg.generator.sampling
-        self.sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop))
+        self.sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_tokens, tuple(s.stop), s.min_tokens)
 
     def setup(self) -> None:
         t0 = time.perf_counter()
