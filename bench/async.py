@@ -109,7 +109,8 @@ def kl_comparison(out: Dict, window: int = 5) -> Dict:
 def grpo(tmp: Path, args) -> Dict:
     base = ["+recipe=tiny_grpo", f"run.max_steps={args.steps}", f"algo.prompts_per_step={args.prompts}",
             "algo.generations_per_prompt=8", f"trainer.global_batch_size={args.prompts * 8}",
-            f"generator.sampling.max_tokens={args.max_tokens}", f"trainer.micro_batch_size={args.micro_batch}",
+            f"generator.sampling.max_tokens={args.max_tokens}", f"generator.sampling.min_tokens={args.min_tokens}",
+            f"trainer.micro_batch_size={args.micro_batch}",
             "data.eval_prompts_per_task=0",
             "checkpoint.every_steps=1000", "checkpoint.export_final=false"]
     out = {"overrides": base, "pin": PIN_GRPO}
@@ -149,8 +150,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=6)
-    # the tiny student answers in about 3 tokens whatever max_tokens allows, so the trainer's
-    # side is sized instead: smaller micro-batches, more forward/backward passes per step
+    # the tiny student answers in about 3 tokens whatever max_tokens allows: min_tokens sizes
+    # the generation side, the micro-batch size the trainer's (more forward/backward passes)
+    p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--only", choices=("grpo", "mopd"), help="rerun one section, keeping the other from the results file")
     p.add_argument("--skip-mopd", action="store_true")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hpc_rl.ckpt import (
     IncompatibleCheckpointError,
@@ -31,6 +30,8 @@ from hpc_rl.ckpt import (
 from hpc_rl.ckpt import checkpoint as ckpt_mod
 from hpc_rl.models.assets import ModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig, check_checkpoint
+
+from gloo_ranks import run_ranks
 
 SPEC = ModelSpec(hidden=32, intermediate=64, layers=2, heads=2, max_positions=64)
 OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=1.0)
@@ -299,37 +300,33 @@ def test_export_hf_loads_with_automodel_and_matches_logits(tiny_ckpt, uninterrup
 # FSDP2 over two gloo ranks
 
 
-def _sharded_worker(rank: int, world: int, tiny: str, store_path: str, root: str, out: str) -> None:
+def _sharded_worker(rank: int, world: int, tiny: str, root: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        def full_optim(b):
-            sd = get_optimizer_state_dict(b.model, b.optimizer,
-                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            # cpu_offload gathers on rank 0 only; Adam's scalar `step` tensors come back by reference
-            # and the next step would bump them in place.
-            return {name: {k: v.clone() for k, v in st.items()} for name, st in sd.get("state", {}).items()}  # rank 0 only
+    def full_optim(b):
+        sd = get_optimizer_state_dict(b.model, b.optimizer,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # cpu_offload gathers on rank 0 only; Adam's scalar `step` tensors come back by reference
+        # and the next step would bump them in place.
+        return {name: {k: v.clone() for k, v in st.items()} for name, st in sd.get("state", {}).items()}  # rank 0 only
 
-        group = dist.group.WORLD
-        _seed_all(0)
-        backend = FSDP2Backend(tiny, group=group, optim=OPT)
-        _train_step(backend)
-        path = save_checkpoint(root, 1, backend, {"rank": rank, "rng": capture_rng_state()}, CONFIG_YAML, group=group)
-        saved_w, saved_o = backend.full_state_dict(), full_optim(backend)
-        _train_step(backend)  # move on, so the reload below must really restore
-        # Reloading into the moved-on backend (not a fresh one) spares a second model build in each
-        # spawned rank; every restored tensor still has to come from the checkpoint to compare equal.
-        extra = load_checkpoint(path, backend, group=group)
-        loaded_w, loaded_o = backend.full_state_dict(), full_optim(backend)
-        export_hf(backend, Path(root).parent / "hf_from_sharded", group=group)
-        if rank == 0:
-            torch.save({"path": str(path), "extra_rank": extra["rank"], "step_count": backend.step_count,
-                        "saved_w": saved_w, "saved_o": saved_o, "loaded_w": loaded_w, "loaded_o": loaded_o}, out)
-        else:
-            assert extra["rank"] == 1  # each rank gets its own extra state back
-    finally:
-        dist.destroy_process_group()
+    group = dist.group.WORLD
+    _seed_all(0)
+    backend = FSDP2Backend(tiny, group=group, optim=OPT)
+    _train_step(backend)
+    path = save_checkpoint(root, 1, backend, {"rank": rank, "rng": capture_rng_state()}, CONFIG_YAML, group=group)
+    saved_w, saved_o = backend.full_state_dict(), full_optim(backend)
+    _train_step(backend)  # move on, so the reload below must really restore
+    # Reloading into the moved-on backend (not a fresh one) spares a second model build in each
+    # spawned rank; every restored tensor still has to come from the checkpoint to compare equal.
+    extra = load_checkpoint(path, backend, group=group)
+    loaded_w, loaded_o = backend.full_state_dict(), full_optim(backend)
+    export_hf(backend, Path(root).parent / "hf_from_sharded", group=group)
+    if rank == 0:
+        torch.save({"path": str(path), "extra_rank": extra["rank"], "step_count": backend.step_count,
+                    "saved_w": saved_w, "saved_o": saved_o, "loaded_w": loaded_w, "loaded_o": loaded_o}, out)
+    else:
+        assert extra["rank"] == 1  # each rank gets its own extra state back
 
 
 def test_fsdp2_two_gloo_ranks_save_and_reload_same_full_state(tiny_ckpt, tmp_path):
@@ -337,8 +334,7 @@ def test_fsdp2_two_gloo_ranks_save_and_reload_same_full_state(tiny_ckpt, tmp_pat
 
     root = tmp_path / "checkpoints"
     out = tmp_path / "result.pt"
-    mp.start_processes(_sharded_worker, args=(2, str(tiny_ckpt), str(tmp_path / "store"), str(root), str(out)),
-                       nprocs=2, join=True, start_method="spawn")
+    run_ranks(_sharded_worker, 2, tmp_path / "store", str(tiny_ckpt), str(root), str(out))
     got = torch.load(out, weights_only=False)
     assert got["extra_rank"] == 0 and got["step_count"] == 1
     manifest = json.loads((root / "step_00000001" / "manifest.json").read_text())

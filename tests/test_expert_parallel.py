@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hpc_rl.models.assets import MoeModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig, check_checkpoint
 from hpc_rl.models.parallel.expert_names import checkpoint_shards, checkpoint_specs
 from backend_batches import masked_batch, masked_loss
+from gloo_ranks import run_ranks
 
 SPEC = MoeModelSpec(hidden=32, expert_intermediate=48, experts=4, top_k=2, layers=2, heads=2, max_positions=64)
 OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05)  # a small clip: the clipped path is compared too
@@ -27,30 +27,24 @@ def moe_ckpt(tmp_path_factory) -> Path:
 
 
 
-def _worker(rank: int, world: int, ep: int, ckpt: str, store_path: str, out: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        ids, attn = masked_batch(8, 12)
-        ids, attn = ids[rank::world], attn[rank::world]  # each rank its strided rows, as the trainer does
-        got = {}
-        for name, size in (("dp", 1), ("ep", ep)):
-            torch.manual_seed(0)
-            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel={"ep": size})
-            got[name] = {"before": b.logprobs(ids, attn),
-                         "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
-                         "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
-                         "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
-                         "specs": b.refit_specs()}
-        torch.save(got, f"{out}.{rank}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, ep: int, ckpt: str, out: str) -> None:
+    ids, attn = masked_batch(8, 12)
+    ids, attn = ids[rank::world], attn[rank::world]  # each rank its strided rows, as the trainer does
+    got = {}
+    for name, size in (("dp", 1), ("ep", ep)):
+        torch.manual_seed(0)
+        b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel={"ep": size})
+        got[name] = {"before": b.logprobs(ids, attn),
+                     "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
+                     "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
+                     "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
+                     "specs": b.refit_specs()}
+    torch.save(got, f"{out}.{rank}")
 
 
 def _run(tmp_path, world: int, ep: int, ckpt: Path):
     out = tmp_path / f"w{world}"
-    mp.start_processes(_worker, args=(world, ep, str(ckpt), str(tmp_path / f"store{world}"), str(out)), nprocs=world,
-                       join=True, start_method="spawn")
+    run_ranks(_worker, world, tmp_path / f"store{world}", ep, str(ckpt), str(out))
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 

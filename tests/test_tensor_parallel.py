@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hpc_rl.models.assets import ModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
 from hpc_rl.models.parallel.mesh import ParallelDims
 from hpc_rl.models.parallel.tensor_parallel import tp_problems
 from backend_batches import masked_batch, masked_loss  # odd length: sequence parallel pads it
+from gloo_ranks import run_ranks
 
 SPEC = ModelSpec(hidden=32, intermediate=64, layers=2, heads=2, max_positions=64)
 # Adam's first step is lr * g / (|g| + eps): for gradients near eps it magnifies float32
@@ -39,35 +39,29 @@ def _prompts():
     return ids, (ids != 0).long()
 
 
-def _tp_worker(rank: int, world: int, ckpt: str, store: str, out: str, sp: bool, mbs, parallel=None) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        ids, attn = masked_batch(4, 11)
-        b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel=parallel or {"tp": 2}, sequence_parallel=sp)
-        before = b.logprobs(ids, attn)
-        metrics = b.train_step(ids, attn, masked_loss(attn), micro_batch_size=mbs)
-        state = b.full_state_dict()
-        shards = {n: (start, t.clone()) for n, (start, t) in b.local_shards().items()}
-        layout = b.source_layout("float32").to_dict()
-        pids, pattn = _prompts()
-        greedy = b.greedy(pids, pattn, 6, eos_id=7, pad_id=0)
-        vocab_here = None
-        if b.dims.tp > 1:  # the logits a rank holds: its slice of the vocabulary only
-            from hpc_rl.models.parallel.forward import local_logits
+def _tp_worker(rank: int, world: int, ckpt: str, out: str, sp: bool, mbs, parallel=None) -> None:
+    ids, attn = masked_batch(4, 11)
+    b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel=parallel or {"tp": 2}, sequence_parallel=sp)
+    before = b.logprobs(ids, attn)
+    metrics = b.train_step(ids, attn, masked_loss(attn), micro_batch_size=mbs)
+    state = b.full_state_dict()
+    shards = {n: (start, t.clone()) for n, (start, t) in b.local_shards().items()}
+    layout = b.source_layout("float32").to_dict()
+    pids, pattn = _prompts()
+    greedy = b.greedy(pids, pattn, 6, eos_id=7, pad_id=0)
+    vocab_here = None
+    if b.dims.tp > 1:  # the logits a rank holds: its slice of the vocabulary only
+        from hpc_rl.models.parallel.forward import local_logits
 
-            with torch.no_grad():
-                vocab_here = local_logits(b.model, ids[:, :10], attn[:, :10])[0].shape[-1]
-        torch.save({"vocab_here": vocab_here, "before": before, "metrics": metrics, "state": state, "shards": shards, "layout": layout,
-                    "greedy": greedy, "dp": (b.dp_rank, b.dp_size)}, f"{out}.{rank}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        with torch.no_grad():
+            vocab_here = local_logits(b.model, ids[:, :10], attn[:, :10])[0].shape[-1]
+    torch.save({"vocab_here": vocab_here, "before": before, "metrics": metrics, "state": state, "shards": shards, "layout": layout,
+                "greedy": greedy, "dp": (b.dp_rank, b.dp_size)}, f"{out}.{rank}")
 
 
 def _run_tp(tmp_path, ckpt, sp, mbs=None, world=2, parallel=None):
     out = str(tmp_path / f"tp{int(sp)}")
-    mp.start_processes(_tp_worker, args=(world, str(ckpt), str(tmp_path / f"store{int(sp)}"), out, sp, mbs, parallel),
-                       nprocs=world, join=True, start_method="spawn")
+    run_ranks(_tp_worker, world, tmp_path / f"store{int(sp)}", str(ckpt), out, sp, mbs, parallel)
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
