@@ -41,6 +41,9 @@ class Rule:
     # When the rule applies at all (None: always); a refusal that belongs to one backend
     # (fsdp2's 1-D mesh) does not apply when another backend honours the key.
     applies: Optional[Callable[[RunConfig], bool]] = None
+    # Overrides the key walk test adds to its base config for the example to apply (a
+    # refusal of GPU clusters only needs one).
+    base: Tuple[str, ...] = ()
 
     def check(self, cfg: RunConfig) -> List[Violation]:
         if cfg.run.program not in self.programs or (self.applies is not None and not self.applies(cfg)):
@@ -137,7 +140,7 @@ RULES: List[Rule] = [
          "on GPU clusters a vLLM engine of tensor parallel > 1 spans several Slurm tasks (one per GPU), which "
          "this version cannot launch yet; only CPU engines (one task starting its tp workers) run tp > 1",
          "set {key}=1 (more generator ranks give more engines), or run on a CPU cluster (cluster.gpus_per_node=0)",
-         example=2, applies=lambda cfg: not cpu_engine(cfg.generator, cfg.cluster)),
+         example=2, applies=lambda cfg: not cpu_engine(cfg.generator, cfg.cluster), base=("cluster=h100",)),
     *_parallel_rules("generator",
                      "the RL program runs vLLM engines of tensor parallel only (one task each on CPU); "
                      "{dim} in the engine cannot be launched yet",
