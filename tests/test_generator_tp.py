@@ -66,3 +66,19 @@ def test_tiny_mopd_with_a_tp2_cpu_engine_as_a_het_job(local_slurm, tmp_path):
     roles = [r["role"] for r in job_from_run_dir(run).results()]
     assert roles == ["trainer", "generator", "teacher/add", "teacher/mul", "env"]
     _check(run, 2)
+
+
+def test_the_refit_group_addresses_engine_g_tp_rank_j():
+    # 2 trainer ranks, 2 engines of TP 2: engine g's worker j is refit rank 2 + g*2 + j
+    from hpc_rl.refit.layout import Layout
+    from hpc_rl.refit.vllm_engine import engine_first_rank, refit_setup
+
+    specs = {"model.layers.0.mlp.down_proj.weight": ((8, 16), "float32"),
+             "model.layers.0.input_layernorm.weight": ((8,), "float32")}
+    setup = refit_setup(specs, 2, 2, "t", engine_tp=2)
+    assert setup.world == 6
+    assert [engine_first_rank(2, g, 2) for g in range(2)] == [2, 4]
+    assert {r: setup.names[r] for r in range(2, 6)} == {2: "generator:0/tp0", 3: "generator:0/tp1",
+                                                        4: "generator:1/tp0", 5: "generator:1/tp1"}
+    dst = Layout.from_dict(setup.dst)
+    assert dst.ranks() == [2, 3, 4, 5]  # every worker of every engine receives
