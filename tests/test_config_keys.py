@@ -125,15 +125,16 @@ def test_reads_files_round_trip(tmp_path):
 def _prove_refusal(rule: Rule) -> Optional[str]:
     """None when the rule's example is refused naming each concrete key with a fix, and the
     schema default is not; else what went wrong."""
-    cfg = load_config(BASE)
+    base = BASE + list(rule.base)
+    cfg = load_config(base)
     if unsupported(cfg):
-        return f"{BASE} itself is refused: {[v.key for v in unsupported(cfg)]}"
+        return f"{base} itself is refused: {[v.key for v in unsupported(cfg)]}"
     set_key(cfg, rule.key, default_of(RunConfig, rule.key))
     if any(v for v in unsupported(cfg)):
         return f"the schema default {default_of(RunConfig, rule.key)!r} is refused"
     concrete = set_key(cfg, rule.key, rule.example)
     if not concrete:
-        return f"{BASE} has no {rule.key} to set"
+        return f"{base} has no {rule.key} to set"
     found = {v.key: v for v in unsupported(cfg)}
     for key in concrete:
         v = found.get(key)

@@ -128,8 +128,10 @@ def test_cli_exits_2_naming_the_key(tmp_path):
 # refuses them for real launches; the dry run plans them and lists them.
 TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
 UNSUPPORTED = [
-    (TINY + ["generator.tasks_per_node=2", "generator.parallel.tp=2"], "generator.parallel.tp", "more generator ranks give more engines"),
-    (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "one vLLM engine per generator rank"),
+    (ULTRA, "generator.parallel.tp", "spans several Slurm tasks (one per GPU)"),
+    (ULTRA + ["cluster=h100"], "generator.parallel.tp", "only CPU engines (one task starting its tp workers)"),
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "tensor parallel only"),
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.cp=2"], "generator.parallel.cp", "tensor parallel only"),
     (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
      "not both in one model"),
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
@@ -179,6 +181,32 @@ def test_tensor_context_and_sequence_parallel_are_honoured_not_refused():
     assert unsupported(load_config(TINY + ["trainer.tasks_per_node=2", "trainer.parallel.cp=2"])) == []
     keys = {v.key for v in unsupported(load_config(ULTRA))}
     assert "trainer.parallel.tp" not in keys and "trainer.sequence_parallel" not in keys
+
+
+def test_cpu_engines_of_tensor_parallel_run_as_one_task_each():
+    from hpc_rl.plan import build_plan
+
+    # local: 2 cores per node; an engine is one generator task starting its 2 TP workers
+    cfg = load_config(TINY + ["generator.parallel.tp=2"])
+    assert unsupported(cfg) == []
+    gen = next(r for r in build_plan(cfg).roles if r.name == "generator")
+    assert (gen.tasks_per_node, gen.parallel["tp"], gen.parallel["dp"]) == (1, 2, 1)
+    # two generator nodes: two engines (dp 2), each of 2 workers
+    gen = next(r for r in build_plan(load_config(TINY + ["generator.parallel.tp=2", "generator.nodes=2"])).roles
+               if r.name == "generator")
+    assert gen.parallel["dp"] == 2 and gen.segment_size == 1
+    # the same on the local Slurm cluster's CPU nodes
+    assert unsupported(load_config(TINY + ["generator.parallel.tp=2", "cluster=local_slurm"])) == []
+
+
+@pytest.mark.parametrize("overrides,owns", [(["generator.parallel.tp=4"], "owns 2 of the node's 2 cores"),
+                                            (["generator.tasks_per_node=2", "generator.parallel.tp=2"], "owns 1 of")])
+def test_a_cpu_engine_of_more_workers_than_its_task_has_cores_is_invalid(overrides, owns):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY + overrides)
+    found = [v for v in info.value.violations if v.key == "generator.parallel.tp"]
+    assert found and owns in found[0].problem and "set generator.parallel.tp <=" in found[0].fix, \
+        [v.render() for v in info.value.violations]
 
 
 def test_the_wiring_check_is_not_refused_for_training_settings():

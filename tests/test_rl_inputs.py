@@ -52,10 +52,20 @@ def test_malformed_row_names_file_and_line_and_nothing_starts(model_dir, tmp_pat
     assert not (tmp_path / "run").exists()  # refused before the run directory exists
 
 
-def test_generator_engines_over_several_ranks_are_refused_before_launch(model_dir, tmp_path, capsys):
+def test_a_cpu_engine_with_more_workers_than_its_task_has_cores_is_refused_before_launch(model_dir, tmp_path, capsys):
+    # local: 2 cores per node, two generator tasks on it own one each; a TP-2 engine needs two
     code, text = _launch(capsys, _overrides(model_dir, tmp_path, "generator.tasks_per_node=2", "generator.parallel.tp=2"))
     assert code == 2
-    assert "generator.parallel.tp = 2" in text and "set generator.parallel.tp=1" in text
+    assert "generator.parallel.tp = 2" in text and "a generator task owns 1 of the node's 2 cores" in text
+    assert "set generator.parallel.tp <= 1" in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_engine_tensor_parallel_that_does_not_split_the_heads_is_refused_before_launch(model_dir, tmp_path, capsys):
+    # one attention head: a TP-2 vLLM engine cannot give each worker whole heads
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, "generator.parallel.tp=2"))
+    assert code == 2
+    assert "generator.parallel.tp = 2" in text and "num_attention_heads=1 is not divisible by tp=2" in text
     assert not (tmp_path / "run").exists()
 
 

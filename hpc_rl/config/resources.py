@@ -33,12 +33,35 @@ def world_size(role: RoleResources, cluster: ClusterConfig) -> int:
     return role.nodes * devices_per_node(role, cluster)
 
 
+def cpu_engine(role: RoleResources, cluster: ClusterConfig) -> bool:
+    """A generator without GPUs: vLLM's CPU platform runs TP > 1 with its multiprocessing
+    executor, so an engine is ONE task that starts its tp workers on the task's cores."""
+    return isinstance(role, GeneratorConfig) and gpus_per_node(role, cluster) == 0
+
+
+def replica_tasks(role: RoleResources, cluster: ClusterConfig) -> int:
+    """Tasks one model replica spans: tp*cp*pp, except a CPU vLLM engine (its tp workers
+    live inside its one task): cp*pp."""
+    p = role.parallel
+    return (1 if cpu_engine(role, cluster) else p.tp) * p.cp * p.pp
+
+
+def replica_label(role: RoleResources, cluster: ClusterConfig) -> str:
+    return "cp*pp (a CPU vLLM engine starts its tp workers inside one task)" if cpu_engine(role, cluster) else "tp*cp*pp"
+
+
+def cpus_per_task(role: RoleResources, cluster: ClusterConfig) -> int:
+    """The cores one task of a CPU role owns: the node's cores split between its tasks."""
+    return cluster.cpus_per_node // max(tasks_per_node(role, cluster), 1)
+
+
 def derived_dp(role: RoleResources, cluster: ClusterConfig) -> Optional[int]:
-    """dp as given, or GPUs / (tp*cp*pp) when that divides; None when it cannot be derived."""
+    """dp as given, or tasks / (the tasks of one replica) when that divides; None when it
+    cannot be derived. For the generator dp is its number of engines."""
     p = role.parallel
     if p.dp is not None:
         return p.dp
-    model = p.tp * p.cp * p.pp
+    model = replica_tasks(role, cluster)
     world = world_size(role, cluster)
     if model <= 0 or world % model:
         return None
@@ -56,9 +79,8 @@ def ep_span_nodes(role: RoleResources, cluster: ClusterConfig) -> int:
 
 
 def instance_span_nodes(role: RoleResources, cluster: ClusterConfig) -> int:
-    """Nodes one model replica covers (tp*cp*pp ranks): a vLLM instance, a teacher replica."""
-    p = role.parallel
-    return ceil_div(p.tp * p.cp * p.pp, devices_per_node(role, cluster))
+    """Nodes one model replica covers (replica_tasks): a vLLM instance, a teacher replica."""
+    return ceil_div(replica_tasks(role, cluster), devices_per_node(role, cluster))
 
 
 def derived_segment(role: RoleResources, cluster: ClusterConfig) -> int:

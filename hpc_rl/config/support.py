@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from .errors import ConfigError, Violation
 from .keys import resolve
+from .resources import cpu_engine
 from .schema import EnvConfig, RunConfig
 
 
@@ -40,6 +41,9 @@ class Rule:
     # When the rule applies at all (None: always); a refusal that belongs to one backend
     # (fsdp2's 1-D mesh) does not apply when another backend honours the key.
     applies: Optional[Callable[[RunConfig], bool]] = None
+    # Overrides the key walk test adds to its base config for the example to apply (a
+    # refusal of GPU clusters only needs one).
+    base: Tuple[str, ...] = ()
 
     def check(self, cfg: RunConfig) -> List[Violation]:
         if cfg.run.program not in self.programs or (self.applies is not None and not self.applies(cfg)):
@@ -129,10 +133,19 @@ RULES: List[Rule] = [
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
                      "set {key}=1 (parallel.tp/cp split the teacher/sequence; dp is derived from the teacher group's ranks)",
                      _FSDP2_LACKS, applies=_fsdp2),
+    # generator.parallel.tp: on CPU clusters an engine is one task starting its tp workers
+    # (vLLM's multiprocessing executor), each worker a refit rank; validate.py caps tp at the
+    # task's cores. Engines spanning several GPU tasks (vLLM's external launcher) are not built.
+    Rule("generator.parallel.tp", _above_one,
+         "on GPU clusters a vLLM engine of tensor parallel > 1 spans several Slurm tasks (one per GPU), which "
+         "this version cannot launch yet; only CPU engines (one task starting its tp workers) run tp > 1",
+         "set {key}=1 (more generator ranks give more engines), or run on a CPU cluster (cluster.gpus_per_node=0)",
+         example=2, applies=lambda cfg: not cpu_engine(cfg.generator, cfg.cluster), base=("cluster=h100",)),
     *_parallel_rules("generator",
-                     "the RL program runs one vLLM engine per generator rank; an engine spanning several "
-                     "ranks ({dim}) cannot be launched yet",
-                     "set {key}=1 (more generator ranks give more engines)"),
+                     "the RL program runs vLLM engines of tensor parallel only (one task each on CPU); "
+                     "{dim} in the engine cannot be launched yet",
+                     "set {key}=1 (more generator ranks give more engines)",
+                     {d: n for d, n in _DIMS.items() if d != "tp"}),
     # Env ranks are independent CPU workers running verifiers: no model is split or loaded.
     *_parallel_rules("env", "env ranks run verifiers, each on its own; nothing is split by {dim}",
                      "set {key}=1 (for more env ranks raise env.nodes or env.tasks_per_node)"),

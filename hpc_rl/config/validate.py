@@ -11,12 +11,16 @@ from typing import Callable, List
 
 from .errors import Violation
 from .resources import (
+    cpu_engine,
+    cpus_per_task,
     derived_dp,
     derived_segment,
     devices_per_node,
     ep_span_nodes,
     gpus_per_node,
     instance_span_nodes,
+    replica_label,
+    replica_tasks,
     role_sections,
     tasks_per_node,
     teacher_groups,
@@ -68,16 +72,18 @@ def check_role(out: List[Violation], cfg: RunConfig, key: str, role: RoleResourc
 
     world = world_size(role, cluster)
     unit = "GPUs" if gpn > 0 else "CPU ranks"
-    model = p.tp * p.cp * p.pp
+    model = replica_tasks(role, cluster)  # tp*cp*pp; a CPU vLLM engine's tp workers share its one task
+    label = replica_label(role, cluster)
+    short = label.split(" ")[0]
     if p.dp is not None and model * p.dp != world:
         out.append(Violation(f"{key}.parallel", f"tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp}",
-                             f"tp*cp*pp*dp = {model * p.dp} but the role has {world} {unit} ({role.nodes} nodes x {world // role.nodes})",
-                             f"make tp*cp*pp*dp = {world}, or leave {key}.parallel.dp unset to derive it"))
+                             f"{short}*dp = {model * p.dp} but the role has {world} {unit} ({role.nodes} nodes x {world // role.nodes})",
+                             f"make {short}*dp = {world}, or leave {key}.parallel.dp unset to derive it"))
         return
     if world % model:
         out.append(Violation(f"{key}.parallel", f"tp={p.tp} cp={p.cp} pp={p.pp}",
-                             f"tp*cp*pp = {model} does not divide the role's {world} {unit}",
-                             f"choose tp*cp*pp among the divisors of {world} ({_short(_divisors(world))}) or change {key}.nodes"))
+                             f"{label} = {model} does not divide the role's {world} {unit}",
+                             f"choose {short} among the divisors of {world} ({_short(_divisors(world))}) or change {key}.nodes"))
         return
 
     # The expert mesh (etp x ep x edp) tiles each pipeline stage's ranks.
@@ -204,6 +210,15 @@ def check_generator(out: List[Violation], cfg: RunConfig) -> None:
     if sp.max_tokens > max_len:
         out.append(Violation("generator.sampling.max_tokens", sp.max_tokens, f"exceeds the model length {max_len}",
                              f"set generator.sampling.max_tokens <= {max_len}"))
+    cores = cpus_per_task(g, cfg.cluster)
+    if cpu_engine(g, cfg.cluster) and g.parallel.tp > max(cores, 1):
+        # vLLM's CPU workers each bind their own cores (refit/vllm_engine.py _bind_cpu_workers)
+        out.append(Violation("generator.parallel.tp", g.parallel.tp,
+                             f"a CPU vLLM engine is one task that starts its tp workers, one core each at least; a generator "
+                             f"task owns {cores} of the node's {cfg.cluster.cpus_per_node} cores "
+                             f"(cluster.cpus_per_node / generator.tasks_per_node)",
+                             f"set generator.parallel.tp <= {max(cores, 1)}, or fewer generator.tasks_per_node "
+                             f"(more engines: more generator.nodes)"))
 
 
 def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:

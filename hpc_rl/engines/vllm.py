@@ -1,6 +1,8 @@
-"""Today's engine: one vLLM engine per generator rank (tensor parallel 1; larger engines
-are refused by validation until engines span several tasks). It wraps the refit-ready
-`VLLMGenerator` (hpc_rl/refit/vllm_engine.py) in the `InferenceEngine` protocol."""
+"""Today's engine: one vLLM engine per generator rank. On CPU clusters it may be of tensor
+parallel > 1: the rank starts its tp workers (vLLM's multiprocessing executor), each a
+refit rank; on GPU clusters tp > 1 needs engines spanning several Slurm tasks, which
+validation refuses (config/support.py). It wraps the refit-ready `VLLMGenerator`
+(hpc_rl/refit/vllm_engine.py) in the `InferenceEngine` protocol."""
 
 from __future__ import annotations
 

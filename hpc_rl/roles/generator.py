@@ -41,9 +41,12 @@ class GeneratorRole:
 
         setup = exchange.recv(self.routes.driver)
         check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
-                            self.engine.params())
+                            self.engine.params(), self.engine.tensor_parallel)
         first = engine_first_rank(len(self.routes.trainer), self.index, self.engine.tensor_parallel)
-        self.engine.join_refit(setup, first, self.ctx.store_addr, self.ctx.store_port)
+        out = self.engine.join_refit(setup, first, self.ctx.store_addr, self.ctx.store_port)
+        # engine g's workers are refit ranks first + their TP rank (generator:g/tp<j>)
+        self.log.info("engine %d joined the refit group: %d worker(s) as refit ranks %s", self.index,
+                      self.engine.tensor_parallel, out.get("ranks"))
 
     def serve(self) -> Dict[str, Any]:
         """Orders until the run ends or stops; returns what this rank did."""
