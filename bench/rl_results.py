@@ -4,7 +4,7 @@ vLLM's sampling logprobs with the trainer after every refit (fp32 and bf16 engin
 Each part is a real launch (`python -m hpc_rl.launch +recipe=...`, local processes); the
 numbers come from the runs' summary.json and metrics.jsonl. Writes bench/results/rl.json.
 
-    python bench/rl_results.py [--only mopd,grpo,bf16,moe]
+    python bench/rl_results.py [--only mopd,grpo,bf16,moe,moe_dp,engine_tp2]
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpc_rl.rundir import RunDir
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hpc_rl.rundir import RunDir  # noqa: E402
 OUT = ROOT / "bench" / "results" / "rl.json"
 
 
@@ -55,17 +56,25 @@ def main() -> int:
                             "met": all(v >= 0.5 for k, v in (s.get("reverse_kl_reduction") or {}).items() if k != "mean")}
             results["tiny_mopd"] = r
             print(r["stdout_tail"])
-        if "moe" in parts:
-            # the MoE student with expert parallel 2 (issue #13): the same demo, its own assets
-            r = launch(tmp / "moe", "+recipe=tiny_mopd_moe")
+        # demos judged like tiny_mopd: each task's reverse KL cut by half, refit agreement (fp32)
+        demos = {"moe": ("tiny_mopd_moe", "+recipe=tiny_mopd_moe"),  # the MoE student with expert parallel 2 (#13)
+                 # its dp-only twin (ep=1 over the same 2 trainer ranks): what "cuts like dp-only" compares against
+                 "moe_dp": ("tiny_mopd_moe_dp_only", "+recipe=tiny_mopd_moe", "trainer.parallel.ep=1"),
+                 # a tensor-parallel-2 CPU engine (one generator task, two vLLM workers, each a refit rank; #14)
+                 "engine_tp2": ("tiny_mopd_engine_tp2", "+recipe=tiny_mopd", "generator.parallel.tp=2")}
+        for part, (key, *overrides) in demos.items():
+            if part not in parts:
+                continue
+            r = launch(tmp / part, *overrides)
             s = r["summary"]
+            r["overrides"] = overrides
             r["reverse_kl_reduction"] = s.get("reverse_kl_reduction")
             r["targets"] = {"reverse_kl_cut_at_least": 0.5,
                             "met": all(v >= 0.5 for k, v in (s.get("reverse_kl_reduction") or {}).items() if k != "mean"),
                             "max_token_mult_prob_error_at_most": 1.001,
                             "refit_met": max(r["per_step_token_mult_prob_error"]) <= 1.001}
-            r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")  # run alone (--only moe): the file's time is the others'
-            results["tiny_mopd_moe"] = r
+            r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")  # run alone (--only ...): the file's time is the others'
+            results[key] = r
             print(r["stdout_tail"])
         if "grpo" in parts:
             r = launch(tmp / "grpo", "+recipe=tiny_grpo")

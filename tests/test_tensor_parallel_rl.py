@@ -1,6 +1,8 @@
 """tiny_mopd end to end with a tensor-parallel (or context-parallel) student and teacher: the
 refit from the trainer's shards into vLLM, the teacher's scores and greedy answers, as local
-processes and as a Slurm het job."""
+processes and as a Slurm het job. The tp layout also samples with a tensor-parallel-2 vLLM
+engine (#14): one generator task starting two workers, each a refit rank receiving only its
+slices of the tp=2 trainer's shards."""
 
 from __future__ import annotations
 
@@ -9,14 +11,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import pytest
 
 SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
          "data.eval_prompts_per_task=8", "trainer.micro_batch_size=8"]
-TP = ["trainer.parallel.tp=2", "trainer.sequence_parallel=true", "+teachers.add.parallel.tp=2"]
+TP = ["trainer.parallel.tp=2", "trainer.sequence_parallel=true", "+teachers.add.parallel.tp=2", "generator.parallel.tp=2"]
 
 
 CP = ["trainer.parallel.cp=2", "+teachers.add.parallel.cp=2"]
+# tp=2 trainer into a TP-2 engine: 14 attention/MLP matrices split alike on both sides (2 each),
+# 5 whole norms to both workers (2 each), and the embedding and lm_head (3 each): vLLM pads the
+# 104-token vocabulary to 128, so engine worker 0's rows 0-63 come from both trainer ranks (0-51, 52-103)
+TRANSFERS_TP = 14 * 2 + 5 * 2 + 2 * 3
 
 
 def _launch(*args, layout=TP, timeout=900):
@@ -24,7 +31,8 @@ def _launch(*args, layout=TP, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _check(run: Path, steps: int, mesh: str = "dp 1 x cp 1 x tp 2", transfers: int = 37) -> None:
+def _check(run: Path, steps: int, mesh: str = "dp 1 x cp 1 x tp 2", transfers: int = TRANSFERS_TP, layout=TP,
+           n_trainers: int = 2) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0)] + [("step", s) for s in range(1, steps + 1)] + [("eval", steps)]
     for r in rows[1:-1]:
@@ -36,25 +44,33 @@ def _check(run: Path, steps: int, mesh: str = "dp 1 x cp 1 x tp 2", transfers: i
     assert rows[0]["teacher_accuracy"] == {"add_agent": 1.0, "mul_agent": 1.0}
     log = (run / "logs" / "trainer.0.out").read_text()
     assert mesh in log
-    # each weight's bytes leave one rank: tp=2, 16 split tensors x 2 ranks + 5 whole norms;
-    # cp=2, FSDP2's Shard(0) over both ranks: 21 tensors x 2
+    # each weight's bytes leave one rank: into the TP-2 engine from the tp=2 trainer, TRANSFERS_TP;
+    # cp=2 into a TP-1 engine, FSDP2's Shard(0) over both ranks: 21 tensors x 2
     assert f"refit plan: {transfers} transfers" in log
+    gen = (run / "logs" / "generator.0.out").read_text()
+    engine_tp = 2 if "generator.parallel.tp=2" in layout else 1
+    assert f"'tensor_parallel_size': {engine_tp}" in gen or engine_tp == 1
+    # engine 0's workers are refit ranks n_trainers + 0*tp + j
+    assert f"engine 0 joined the refit group: {engine_tp} worker(s) as refit ranks {list(range(n_trainers, n_trainers + engine_tp))}" in gen
+    with h5py.File(run / "rollouts.h5", "r") as f:
+        for step in range(1, steps + 1):
+            assert f[f"step_{step:06d}"].attrs["weight_version"] == step - 1  # every worker stamped the refit (the engine serves the min)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,mesh,transfers", [(TP, "dp 1 x cp 1 x tp 2", 37), (CP, "dp 1 x cp 2 x tp 1", 42)],
+@pytest.mark.parametrize("layout,mesh,transfers", [(TP, "dp 1 x cp 1 x tp 2", TRANSFERS_TP), (CP, "dp 1 x cp 2 x tp 1", 42)],
                          ids=["tp2", "cp2"])
 def test_tiny_mopd_with_a_parallel_student_and_teacher_locally(tmp_path, layout, mesh, transfers):
     run = tmp_path / "run"
     proc = _launch("run.max_steps=2", f"run.dir={run}", "trainer.tasks_per_node=2", "+teachers.add.tasks_per_node=2",
                    layout=layout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _check(run, 2, mesh, transfers)
+    _check(run, 2, mesh, transfers, layout)
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_tiny_mopd_with_tp2_over_two_trainer_nodes_as_a_het_job(local_slurm, tmp_path):
+def test_tiny_mopd_with_tp2_over_two_trainer_nodes_and_a_tp2_engine_as_a_het_job(local_slurm, tmp_path):
     from hpc_rl.slurm.executor import job_from_run_dir
 
     run = tmp_path / "run"
