@@ -31,3 +31,11 @@ class ConfigError(Exception):
         head = f"invalid config: {n} problem{'s' if n != 1 else ''}; nothing was submitted"
         body = "\n".join(f"  - {v.render()}" for v in self.violations)
         return f"{head}\n{body}"
+
+
+def check_positive(out: List[Violation], key: str, value, minimum: int = 1) -> bool:
+    """Appends a violation unless `value` is an integer >= `minimum`; says whether it was."""
+    if value is None or value < minimum:
+        out.append(Violation(key, value, f"must be at least {minimum}", f"set {key} to an integer >= {minimum}"))
+        return False
+    return True

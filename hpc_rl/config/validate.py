@@ -9,10 +9,8 @@ from __future__ import annotations
 import fnmatch
 from typing import Callable, List
 
-from .errors import Violation
+from .errors import Violation, check_positive
 from .resources import (
-    cpu_engine,
-    cpus_per_task,
     derived_dp,
     derived_segment,
     devices_per_node,
@@ -28,6 +26,7 @@ from .resources import (
 )
 from .schema import GeneratorConfig, RoleResources, RunConfig
 from .validate_async import check_in_flight
+from .validate_generator import check_generator
 from .validate_logging import check_logging
 
 
@@ -40,21 +39,14 @@ def _short(values: List[int], limit: int = 12) -> str:
     return shown + (", ..." if len(values) > limit else "")
 
 
-def _check_positive(out: List[Violation], key: str, value, minimum: int = 1) -> bool:
-    if value is None or value < minimum:
-        out.append(Violation(key, value, f"must be at least {minimum}", f"set {key} to an integer >= {minimum}"))
-        return False
-    return True
-
-
 def check_role(out: List[Violation], cfg: RunConfig, key: str, role: RoleResources) -> None:
     cluster = cfg.cluster
     p = role.parallel
-    ok = _check_positive(out, f"{key}.nodes", role.nodes)
+    ok = check_positive(out, f"{key}.nodes", role.nodes)
     for name in ("tp", "cp", "ep", "pp", "etp"):
-        ok &= _check_positive(out, f"{key}.parallel.{name}", getattr(p, name))
+        ok &= check_positive(out, f"{key}.parallel.{name}", getattr(p, name))
     if p.dp is not None:
-        ok &= _check_positive(out, f"{key}.parallel.dp", p.dp)
+        ok &= check_positive(out, f"{key}.parallel.dp", p.dp)
     gpn = gpus_per_node(role, cluster)
     if gpn < 0 or gpn > max(cluster.gpus_per_node, 0):
         out.append(Violation(f"{key}.gpus_per_node", gpn, f"the cluster {cluster.name!r} has {cluster.gpus_per_node} GPUs per node",
@@ -147,9 +139,9 @@ def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
     if t.sequence_parallel and t.parallel.tp == 1:
         out.append(Violation("trainer.sequence_parallel", True, "sequence parallelism splits along tensor parallel ranks and needs tp > 1",
                              "set trainer.sequence_parallel=false or trainer.parallel.tp > 1"))
-    _check_positive(out, "trainer.max_seq_len", t.max_seq_len)
-    _check_positive(out, "trainer.micro_batch_size", t.micro_batch_size)
-    _check_positive(out, "trainer.global_batch_size", t.global_batch_size)
+    check_positive(out, "trainer.max_seq_len", t.max_seq_len)
+    check_positive(out, "trainer.micro_batch_size", t.micro_batch_size)
+    check_positive(out, "trainer.global_batch_size", t.global_batch_size)
     cp, tp = t.parallel.cp, t.parallel.tp
     if cp > 1 and t.max_seq_len > 0:
         # Context parallel load-balances causal attention by cutting sequences into 2*cp chunks;
@@ -182,43 +174,6 @@ def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
     if s.warmup_start_lr < 0 or (o.lr > 0 and s.warmup_start_lr > o.lr):
         out.append(Violation("trainer.scheduler.warmup_start_lr", s.warmup_start_lr, f"must lie in [0, optimizer.lr = {o.lr}]",
                              "set trainer.scheduler.warmup_start_lr <= trainer.optimizer.lr"))
-
-
-def check_generator(out: List[Violation], cfg: RunConfig) -> None:
-    g = cfg.generator
-    if not 0.0 < g.gpu_memory_utilization <= 1.0:
-        out.append(Violation("generator.gpu_memory_utilization", g.gpu_memory_utilization, "must lie in (0, 1]",
-                             "e.g. generator.gpu_memory_utilization=0.85"))
-    _check_positive(out, "generator.max_num_seqs", g.max_num_seqs)
-    sp = g.sampling
-    if sp.temperature < 0:
-        out.append(Violation("generator.sampling.temperature", sp.temperature, "must be >= 0", "set generator.sampling.temperature >= 0"))
-    if not 0.0 < sp.top_p <= 1.0:
-        out.append(Violation("generator.sampling.top_p", sp.top_p, "must lie in (0, 1]", "set generator.sampling.top_p in (0, 1]"))
-    if sp.top_k == 0 or sp.top_k < -1:
-        out.append(Violation("generator.sampling.top_k", sp.top_k, "must be -1 (off) or >= 1", "set generator.sampling.top_k=-1 or a positive integer"))
-    _check_positive(out, "generator.sampling.max_tokens", sp.max_tokens)
-    max_len = g.max_model_len or cfg.trainer.max_seq_len
-    if g.max_model_len and g.max_model_len > cfg.trainer.max_seq_len:
-        # the trainer refuses a sampled sequence longer than it trains on (roles/trainer.py)
-        out.append(Violation("generator.max_model_len", g.max_model_len,
-                             f"exceeds trainer.max_seq_len={cfg.trainer.max_seq_len}: the engine could sample sequences the trainer refuses",
-                             f"set generator.max_model_len <= {cfg.trainer.max_seq_len}, or raise trainer.max_seq_len"))
-    if not 0 <= sp.min_tokens <= sp.max_tokens:
-        out.append(Violation("generator.sampling.min_tokens", sp.min_tokens, f"must lie in [0, max_tokens={sp.max_tokens}]",
-                             f"set generator.sampling.min_tokens between 0 and {sp.max_tokens}"))
-    if sp.max_tokens > max_len:
-        out.append(Violation("generator.sampling.max_tokens", sp.max_tokens, f"exceeds the model length {max_len}",
-                             f"set generator.sampling.max_tokens <= {max_len}"))
-    cores = cpus_per_task(g, cfg.cluster)
-    if cpu_engine(g, cfg.cluster) and g.parallel.tp > max(cores, 1):
-        # vLLM's CPU workers each bind their own cores (refit/vllm_engine.py _bind_cpu_workers)
-        out.append(Violation("generator.parallel.tp", g.parallel.tp,
-                             f"a CPU vLLM engine is one task that starts its tp workers, one core each at least; a generator "
-                             f"task owns {cores} of the node's {cfg.cluster.cpus_per_node} cores "
-                             f"(cluster.cpus_per_node / generator.tasks_per_node)",
-                             f"set generator.parallel.tp <= {max(cores, 1)}, or fewer generator.tasks_per_node "
-                             f"(more engines: more generator.nodes)"))
 
 
 def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:
@@ -264,8 +219,8 @@ def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:
 
 def check_algo(out: List[Violation], cfg: RunConfig) -> None:
     a = cfg.algo
-    _check_positive(out, "algo.prompts_per_step", a.prompts_per_step)
-    _check_positive(out, "algo.generations_per_prompt", a.generations_per_prompt)
+    check_positive(out, "algo.prompts_per_step", a.prompts_per_step)
+    check_positive(out, "algo.generations_per_prompt", a.generations_per_prompt)
     if a.name == "grpo" and a.generations_per_prompt < 2:
         out.append(Violation("algo.generations_per_prompt", a.generations_per_prompt,
                              "GRPO normalises rewards within a prompt's group and needs at least 2 generations",
@@ -317,19 +272,19 @@ def check_job(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("cluster.max_nodes", cfg.cluster.max_nodes, f"the job needs {total} nodes",
                              "lower the roles' nodes or choose a larger cluster="))
     cl = cfg.cluster
-    if _check_positive(out, "cluster.nvlink_domain_nodes", cl.nvlink_domain_nodes) and \
-            _check_positive(out, "cluster.usable_nodes_per_domain", cl.usable_nodes_per_domain) and \
+    if check_positive(out, "cluster.nvlink_domain_nodes", cl.nvlink_domain_nodes) and \
+            check_positive(out, "cluster.usable_nodes_per_domain", cl.usable_nodes_per_domain) and \
             cl.usable_nodes_per_domain > cl.nvlink_domain_nodes:
         # segments are sized by the usable nodes; more of them than the domain has is a typo
         out.append(Violation("cluster.nvlink_domain_nodes", cl.nvlink_domain_nodes,
                              f"an NVLink domain cannot have fewer nodes than its {cl.usable_nodes_per_domain} usable ones",
                              "set cluster.nvlink_domain_nodes >= cluster.usable_nodes_per_domain"))
     ck = cfg.checkpoint
-    _check_positive(out, "checkpoint.every_steps", ck.every_steps)
-    _check_positive(out, "checkpoint.keep_last", ck.keep_last)
+    check_positive(out, "checkpoint.every_steps", ck.every_steps)
+    check_positive(out, "checkpoint.keep_last", ck.keep_last)
     if ck.keep_every is not None:
-        _check_positive(out, "checkpoint.keep_every", ck.keep_every)
-    _check_positive(out, "run.max_steps", cfg.run.max_steps)
+        check_positive(out, "checkpoint.keep_every", ck.keep_every)
+    check_positive(out, "run.max_steps", cfg.run.max_steps)
 
 
 def check_data(out: List[Violation], cfg: RunConfig) -> None:
@@ -343,7 +298,7 @@ def check_data(out: List[Violation], cfg: RunConfig) -> None:
         for i, t in enumerate(d.tasks):
             if t not in GENERATORS:
                 out.append(Violation(f"data.tasks[{i}]", t, "unknown synthetic task", f"choose from {sorted(GENERATORS)}"))
-        _check_positive(out, "data.samples_per_task", d.samples_per_task)
+        check_positive(out, "data.samples_per_task", d.samples_per_task)
     if d.eval_prompts_per_task < 0:
         out.append(Violation("data.eval_prompts_per_task", d.eval_prompts_per_task, "must be >= 0", "0 turns evaluation off"))
 
