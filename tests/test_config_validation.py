@@ -128,8 +128,8 @@ def test_cli_exits_2_naming_the_key(tmp_path):
 # refuses them for real launches; the dry run plans them and lists them.
 TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
 UNSUPPORTED = [
-    (ULTRA, "generator.parallel.tp", "spans several Slurm tasks (one per GPU)"),
-    (ULTRA + ["cluster=h100"], "generator.parallel.tp", "only CPU engines (one task starting its tp workers)"),
+    (ULTRA, "generator.parallel.ep", "tensor parallel only"),
+    (ULTRA + ["cluster=h100"], "generator.parallel.ep", "tensor parallel only"),
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "tensor parallel only"),
     (TINY + ["generator.tasks_per_node=2", "generator.parallel.cp=2"], "generator.parallel.cp", "tensor parallel only"),
     (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
@@ -166,9 +166,10 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     keys = {v.key for v in unsupported(cfg)}
     # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16); async with
     # in-flight weight updates runs (#15)
-    assert keys == {"generator.parallel.tp", "generator.parallel.ep", "model.architecture"}, keys
+    # the generator's TP-8 engines span 8 tasks (#14): only its expert parallel is refused
+    assert keys == {"generator.parallel.ep", "model.architecture"}, keys
     text = render_unsupported(unsupported(cfg))
-    assert text.startswith("settings this version cannot run yet") and "fix: set generator.parallel.tp=1" in text
+    assert text.startswith("settings this version cannot run yet") and "fix: set generator.parallel.ep=1" in text
     assert render_unsupported([]) == ""
 
 
@@ -183,30 +184,52 @@ def test_tensor_context_and_sequence_parallel_are_honoured_not_refused():
     assert "trainer.parallel.tp" not in keys and "trainer.sequence_parallel" not in keys
 
 
-def test_cpu_engines_of_tensor_parallel_run_as_one_task_each():
+def _generator(overrides):
     from hpc_rl.plan import build_plan
 
-    # local: 2 cores per node; an engine is one generator task starting its 2 TP workers
+    return next(r for r in build_plan(load_config(overrides)).roles if r.name == "generator")
+
+
+def test_cpu_engines_host_their_workers_in_as_few_tasks_as_the_cores_allow():
+    # local: 2 cores per node; one generator task owns both and starts the engine's 2 TP workers
     cfg = load_config(TINY + ["generator.parallel.tp=2"])
     assert unsupported(cfg) == []
-    gen = next(r for r in build_plan(cfg).roles if r.name == "generator")
-    assert (gen.tasks_per_node, gen.parallel["tp"], gen.parallel["dp"]) == (1, 2, 1)
-    # two generator nodes: two engines (dp 2), each of 2 workers
-    gen = next(r for r in build_plan(load_config(TINY + ["generator.parallel.tp=2", "generator.nodes=2"])).roles
-               if r.name == "generator")
-    assert gen.parallel["dp"] == 2 and gen.segment_size == 1
-    # the same on the local Slurm cluster's CPU nodes
-    assert unsupported(load_config(TINY + ["generator.parallel.tp=2", "cluster=local_slurm"])) == []
+    gen = _generator(TINY + ["generator.parallel.tp=2"])
+    assert (gen.tasks_per_node, gen.parallel["tp"], gen.parallel["dp"], gen.tasks_per_replica) == (1, 2, 1, 1)
+    # two generator nodes: two engines (dp 2), each of 2 workers in one task
+    gen = _generator(TINY + ["generator.parallel.tp=2", "generator.nodes=2"])
+    assert (gen.parallel["dp"], gen.tasks_per_replica, gen.segment_size) == (2, 1, 1)
+    # two tasks per node own one core each: the engine spans both tasks, one worker each (#14)
+    gen = _generator(TINY + ["generator.parallel.tp=2", "generator.tasks_per_node=2"])
+    assert (gen.parallel["dp"], gen.tasks_per_replica, gen.segment_size) == (1, 2, 1)
+    # TP 4 over two nodes of 2 cores: one engine spanning two tasks (two nodes, one segment)
+    gen = _generator(TINY + ["generator.parallel.tp=4", "generator.nodes=2"])
+    assert (gen.parallel["dp"], gen.tasks_per_replica, gen.segment_size) == (1, 2, 2)
+    for extra in (["generator.tasks_per_node=2"], ["generator.tasks_per_node=2", "cluster=local_slurm"]):
+        assert unsupported(load_config(TINY + ["generator.parallel.tp=2"] + extra)) == []
 
 
-@pytest.mark.parametrize("overrides,owns", [(["generator.parallel.tp=4"], "owns 2 of the node's 2 cores"),
-                                            (["generator.tasks_per_node=2", "generator.parallel.tp=2"], "owns 1 of")])
-def test_a_cpu_engine_of_more_workers_than_its_task_has_cores_is_invalid(overrides, owns):
+def test_gpu_engines_span_one_task_per_gpu():
+    # ultra_mopd: TP-8 engines on 4-GPU GB200 nodes span 8 tasks (2 nodes); 512 tasks make 64 engines
+    gen = _generator(ULTRA)
+    assert (gen.tasks, gen.tasks_per_replica, gen.parallel["dp"]) == (512, 8, 64)
+    assert "generator.parallel.tp" not in {v.key for v in unsupported(load_config(ULTRA + ["cluster=h100"]))}
+
+
+def test_an_engine_whose_tasks_do_not_fill_the_role_is_invalid():
+    # TP 4 at 2 workers per task spans 2 tasks; one node of one task cannot hold it
     with pytest.raises(ConfigError) as info:
-        load_config(TINY + overrides)
-    found = [v for v in info.value.violations if v.key == "generator.parallel.tp"]
-    assert found and owns in found[0].problem and "set generator.parallel.tp <=" in found[0].fix, \
-        [v.render() for v in info.value.violations]
+        load_config(TINY + ["generator.parallel.tp=4"])
+    found = [v for v in info.value.violations if v.key == "generator.parallel"]
+    assert found and "engine tasks (tp*pp = 4 workers, 2 per task) = 2 does not divide the role's 1 CPU ranks" in found[0].problem
+    assert "give the generator a multiple of 2 tasks" in found[0].fix
+
+
+def test_a_cpu_generator_task_without_a_core_is_invalid():
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY + ["generator.tasks_per_node=4"])
+    found = [v for v in info.value.violations if v.key == "generator.tasks_per_node"]
+    assert found and "would own 0 of the node's 2 cores" in found[0].problem and "<= 2" in found[0].fix
 
 
 def test_the_wiring_check_is_not_refused_for_training_settings():

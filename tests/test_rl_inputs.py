@@ -52,12 +52,12 @@ def test_malformed_row_names_file_and_line_and_nothing_starts(model_dir, tmp_pat
     assert not (tmp_path / "run").exists()  # refused before the run directory exists
 
 
-def test_a_cpu_engine_with_more_workers_than_its_task_has_cores_is_refused_before_launch(model_dir, tmp_path, capsys):
-    # local: 2 cores per node, two generator tasks on it own one each; a TP-2 engine needs two
-    code, text = _launch(capsys, _overrides(model_dir, tmp_path, "generator.tasks_per_node=2", "generator.parallel.tp=2"))
+def test_an_engine_spanning_more_tasks_than_the_generator_has_is_refused_before_launch(model_dir, tmp_path, capsys):
+    # local: 2 cores per node; a TP-4 engine takes two tasks of 2 workers, the generator has one
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, "generator.parallel.tp=4"))
     assert code == 2
-    assert "generator.parallel.tp = 2" in text and "a generator task owns 1 of the node's 2 cores" in text
-    assert "set generator.parallel.tp <= 1" in text
+    assert "engine tasks (tp*pp = 4 workers, 2 per task) = 2 does not divide the role's 1 CPU ranks" in text
+    assert "give the generator a multiple of 2 tasks" in text
     assert not (tmp_path / "run").exists()
 
 

@@ -33,21 +33,39 @@ def world_size(role: RoleResources, cluster: ClusterConfig) -> int:
     return role.nodes * devices_per_node(role, cluster)
 
 
-def cpu_engine(role: RoleResources, cluster: ClusterConfig) -> bool:
-    """A generator without GPUs: vLLM's CPU platform runs TP > 1 with its multiprocessing
-    executor, so an engine is ONE task that starts its tp workers on the task's cores."""
-    return isinstance(role, GeneratorConfig) and gpus_per_node(role, cluster) == 0
+def engine_workers_per_task(role: GeneratorConfig, cluster: ClusterConfig) -> int:
+    """Workers of one vLLM engine (tp*pp in all) that one generator task hosts. GPU: the
+    task's GPUs (one by default). CPU: one core per worker at least, so the largest divisor
+    of tp*pp that the task's cores allow (at least 1)."""
+    workers = role.parallel.tp * role.parallel.pp
+    g = gpus_per_node(role, cluster)
+    if g > 0:
+        return max(g // max(tasks_per_node(role, cluster), 1), 1)
+    cores = cpus_per_task(role, cluster)
+    return max([d for d in range(1, workers + 1) if workers % d == 0 and d <= cores] or [1])
+
+
+def engine_tasks(role: GeneratorConfig, cluster: ClusterConfig) -> int:
+    """Consecutive generator tasks one vLLM engine spans. Its first task runs the engine
+    (scheduler and its workers), the others host the rest of its workers (vLLM's multi-node
+    multiprocessing executor: each task is one of its nodes)."""
+    return ceil_div(role.parallel.tp * role.parallel.pp, engine_workers_per_task(role, cluster))
 
 
 def replica_tasks(role: RoleResources, cluster: ClusterConfig) -> int:
-    """Tasks one model replica spans: tp*cp*pp, except a CPU vLLM engine (its tp workers
-    live inside its one task): cp*pp."""
+    """Tasks one model replica spans: tp*cp*pp, except for a vLLM engine, whose tasks may
+    each host several of its workers (engine_tasks)."""
     p = role.parallel
-    return (1 if cpu_engine(role, cluster) else p.tp) * p.cp * p.pp
+    if isinstance(role, GeneratorConfig):
+        return engine_tasks(role, cluster) * p.cp
+    return p.tp * p.cp * p.pp
 
 
 def replica_label(role: RoleResources, cluster: ClusterConfig) -> str:
-    return "cp*pp (a CPU vLLM engine starts its tp workers inside one task)" if cpu_engine(role, cluster) else "tp*cp*pp"
+    if isinstance(role, GeneratorConfig):
+        w = role.parallel.tp * role.parallel.pp
+        return f"engine tasks (tp*pp = {w} workers, {engine_workers_per_task(role, cluster)} per task)"
+    return "tp*cp*pp"
 
 
 def cpus_per_task(role: RoleResources, cluster: ClusterConfig) -> int:

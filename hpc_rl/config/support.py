@@ -22,7 +22,6 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from .errors import ConfigError, Violation
 from .keys import resolve
-from .resources import cpu_engine
 from .schema import EnvConfig, RunConfig
 
 
@@ -133,16 +132,11 @@ RULES: List[Rule] = [
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
                      "set {key}=1 (parallel.tp/cp split the teacher/sequence; dp is derived from the teacher group's ranks)",
                      _FSDP2_LACKS, applies=_fsdp2),
-    # generator.parallel.tp: on CPU clusters an engine is one task starting its tp workers
-    # (vLLM's multiprocessing executor), each worker a refit rank; validate.py caps tp at the
-    # task's cores. Engines spanning several GPU tasks (vLLM's external launcher) are not built.
-    Rule("generator.parallel.tp", _above_one,
-         "on GPU clusters a vLLM engine of tensor parallel > 1 spans several Slurm tasks (one per GPU), which "
-         "this version cannot launch yet; only CPU engines (one task starting its tp workers) run tp > 1",
-         "set {key}=1 (more generator ranks give more engines), or run on a CPU cluster (cluster.gpus_per_node=0)",
-         example=2, applies=lambda cfg: not cpu_engine(cfg.generator, cfg.cluster), base=("cluster=h100",)),
+    # generator.parallel.tp runs on both platforms: an engine spans tp*pp/(workers per task)
+    # consecutive generator tasks (vLLM's multi-node multiprocessing executor, engines/spanning.py);
+    # validate_generator.py checks the tasks' cores.
     *_parallel_rules("generator",
-                     "the RL program runs vLLM engines of tensor parallel only (one task each on CPU); "
+                     "the RL program runs vLLM engines of tensor parallel only (spanning generator tasks where needed); "
                      "{dim} in the engine cannot be launched yet",
                      "set {key}=1 (more generator ranks give more engines)",
                      {d: n for d, n in _DIMS.items() if d != "tp"}),

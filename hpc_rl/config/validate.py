@@ -75,6 +75,8 @@ def check_role(out: List[Violation], cfg: RunConfig, key: str, role: RoleResourc
     if world % model:
         out.append(Violation(f"{key}.parallel", f"tp={p.tp} cp={p.cp} pp={p.pp}",
                              f"{label} = {model} does not divide the role's {world} {unit}",
+                             f"give the generator a multiple of {model} tasks ({key}.nodes x tasks per node) or a smaller tp"
+                             if key == "generator" else
                              f"choose {short} among the divisors of {world} ({_short(_divisors(world))}) or change {key}.nodes"))
         return
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List
 
 from .errors import Violation, check_positive
-from .resources import cpu_engine, cpus_per_task
+from .resources import cpus_per_task, gpus_per_node
 from .schema import RunConfig
 
 
@@ -36,11 +36,9 @@ def check_generator(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("generator.sampling.max_tokens", sp.max_tokens, f"exceeds the model length {max_len}",
                              f"set generator.sampling.max_tokens <= {max_len}"))
     cores = cpus_per_task(g, cfg.cluster)
-    if cpu_engine(g, cfg.cluster) and g.parallel.tp > max(cores, 1):
-        # vLLM's CPU workers each bind their own cores (refit/vllm_engine.py _bind_cpu_workers)
-        out.append(Violation("generator.parallel.tp", g.parallel.tp,
-                             f"a CPU vLLM engine is one task that starts its tp workers, one core each at least; a generator "
-                             f"task owns {cores} of the node's {cfg.cluster.cpus_per_node} cores "
-                             f"(cluster.cpus_per_node / generator.tasks_per_node)",
-                             f"set generator.parallel.tp <= {max(cores, 1)}, or fewer generator.tasks_per_node "
-                             f"(more engines: more generator.nodes)"))
+    if gpus_per_node(g, cfg.cluster) == 0 and cores < 1:
+        # a CPU engine's workers bind a core each (refit/vllm_engine.py _bind_cpu_workers)
+        out.append(Violation("generator.tasks_per_node", g.tasks_per_node,
+                             f"a generator task would own {cores} of the node's {cfg.cluster.cpus_per_node} cores; each vLLM "
+                             f"CPU worker needs one at least",
+                             f"set generator.tasks_per_node <= {cfg.cluster.cpus_per_node}"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-from hpc_rl.refit.vllm_engine import SampleRow
+from hpc_rl.refit.vllm_engine import EngineSpan, SampleRow
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,4 @@ class EngineSpec:
     max_model_len: int
     seed: int
     on_gpu: bool
+    span: EngineSpan = EngineSpan()  # the tasks this engine spans (engines/spanning.py)

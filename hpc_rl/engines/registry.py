@@ -17,6 +17,15 @@ def _vllm(spec: EngineSpec) -> InferenceEngine:
 ENGINES: Dict[str, Callable[[EngineSpec], InferenceEngine]] = {"vllm": _vllm}
 
 
+def build_follower(name: str, spec: EngineSpec, seat):
+    """The workers a follower task hosts for an engine spanning several tasks (engines/spanning.py)."""
+    if name != "vllm":
+        raise ValueError(f"generator.backend={name!r} has no engines spanning several tasks in this version")
+    from .vllm import VLLMEngine
+
+    return VLLMEngine.follower(spec, seat)
+
+
 def build_engine(name: str, spec: EngineSpec) -> InferenceEngine:
     if name not in ENGINES:
         raise ValueError(f"generator.backend={name!r} has no implementation in this version (have {sorted(ENGINES)})")

@@ -1,8 +1,7 @@
-"""Today's engine: one vLLM engine per generator rank. On CPU clusters it may be of tensor
-parallel > 1: the rank starts its tp workers (vLLM's multiprocessing executor), each a
-refit rank; on GPU clusters tp > 1 needs engines spanning several Slurm tasks, which
-validation refuses (config/support.py). It wraps the refit-ready `VLLMGenerator`
-(hpc_rl/refit/vllm_engine.py) in the `InferenceEngine` protocol."""
+"""The vLLM engine behind the `InferenceEngine` protocol: the refit-ready `VLLMGenerator`
+(hpc_rl/refit/vllm_engine.py) run from an engine's first generator task. An engine of
+tensor parallel > 1 starts its workers in that task, or across several tasks
+(engines/spanning.py); each worker is a refit rank."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from hpc_rl.refit.vllm_engine import SampleRow, VLLMGenerator
 
 from .base import EngineSpec, Sampling
+from .spanning import EngineFollower
 
 # vLLM on CPU reserves gpu_memory_utilization of NUMA node 0's memory for its KV cache; the
 # GPU default (0.85) cannot be met there, so CPU engines take at most this share.
@@ -24,10 +24,16 @@ class VLLMEngine:
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> "VLLMEngine":
         g = spec.generator
-        frac = g.gpu_memory_utilization if spec.on_gpu else min(g.gpu_memory_utilization, CPU_MEMORY_FRACTION_CAP)
         return cls(VLLMGenerator(spec.checkpoint, precision=g.precision, max_model_len=spec.max_model_len,
-                                 seed=spec.seed, memory_fraction=frac, max_num_seqs=g.max_num_seqs,
-                                 tensor_parallel=g.parallel.tp))
+                                 seed=spec.seed, memory_fraction=_memory_fraction(spec), max_num_seqs=g.max_num_seqs,
+                                 tensor_parallel=g.parallel.tp, span=spec.span))
+
+    @staticmethod
+    def follower(spec: EngineSpec, seat) -> "EngineFollower":
+        """The workers a follower task hosts for its engine, built from the same arguments."""
+        g = spec.generator
+        return EngineFollower(seat, spec.span, spec.checkpoint, g.precision, spec.max_model_len, spec.seed,
+                              _memory_fraction(spec), g.max_num_seqs, g.parallel.tp)
 
     @property
     def weight_version(self) -> int:
@@ -57,6 +63,11 @@ class VLLMEngine:
 
     def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, Any]:
         return self.vllm.refit_in_flight(version, timeout_s, recompute_kv)
+
+
+def _memory_fraction(spec: EngineSpec) -> float:
+    g = spec.generator
+    return g.gpu_memory_utilization if spec.on_gpu else min(g.gpu_memory_utilization, CPU_MEMORY_FRACTION_CAP)
 
 
 def _messages(prompt: Any) -> list:

@@ -31,9 +31,13 @@ class Routes:
     """Global ranks of every role, and who feeds whom."""
 
     trainer: List[int]
-    generators: List[int]
+    generators: List[int]  # one per engine: the global rank of its first task
     envs: List[int]
     teachers: Dict[str, List[int]] = field(default_factory=dict)  # teacher group -> its ranks (first is the head)
+    engine_tasks: int = 1  # generator tasks per engine; `generators` lists each engine's first
+
+    def leads_engine(self, generator_role_rank: int) -> bool:
+        return generator_role_rank % self.engine_tasks == 0
 
     @classmethod
     def from_plan(cls, plan: JobPlan) -> "Routes":
@@ -44,7 +48,9 @@ class Routes:
             return list(range(first, first + n))
 
         teachers = {r.name.split("/", 1)[1]: ranks(r.name) for r in plan.roles if r.name.startswith("teacher/")}
-        return cls(ranks(plan.roles[TRAINER].name), ranks("generator"), ranks("env"), teachers)
+        # an engine spanning several generator tasks is served by its first (engines/spanning.py)
+        per_engine = plan.role("generator").tasks_per_replica if "generator" in offsets else 1
+        return cls(ranks(plan.roles[TRAINER].name), ranks("generator")[::per_engine], ranks("env"), teachers, per_engine)
 
     @property
     def driver(self) -> int:

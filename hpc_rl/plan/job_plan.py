@@ -39,6 +39,11 @@ class RolePlan:
         return self.nodes * self.tasks_per_node
 
     @property
+    def tasks_per_replica(self) -> int:
+        """Tasks one model replica spans (a vLLM engine's tasks for the generator): tasks / dp."""
+        return max(self.tasks // max(self.parallel.get("dp", 1), 1), 1)
+
+    @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 

@@ -61,24 +61,52 @@ def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:
                     [r.truncated for r in rows], [r.text for r in rows])
 
 
+@dataclass(frozen=True)
+class EngineSpan:
+    """Where one engine's workers live when it spans several tasks (vLLM's multi-node
+    multiprocessing executor): `tasks` tasks, this one is `node`, and the engine's workers
+    meet at `master_addr:master_port` (published by its first task: engines/spanning.py)."""
+
+    tasks: int = 1
+    node: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def vllm_args(self) -> Dict[str, object]:
+        if self.tasks == 1:
+            return {}
+        return {"nnodes": self.tasks, "node_rank": self.node, "master_addr": self.master_addr, "master_port": self.master_port}
+
+
+def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
+                  memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
+                  span: EngineSpan = EngineSpan()) -> Dict[str, object]:
+    """vLLM engine arguments: every task of a spanning engine builds its part from the same ones."""
+    from hpc_rl.precision import vllm_dtype
+
+    # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
+    # A token budget that fits every running sequence whole: no prompt is ever split by
+    # chunked prefill. vLLM 0.32 on CPU crashes when it rewinds a per-request seeded
+    # generator after a partial prefill ("CPU Generator does not use offset").
+    return dict(model=model_path, dtype=vllm_dtype(precision), max_model_len=max_model_len, enforce_eager=True, seed=seed,
+                gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
+                tensor_parallel_size=tensor_parallel, worker_extension_cls=EXTENSION, **span.vllm_args())
+
+
 class VLLMGenerator:
     def __init__(self, model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
-                 memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1):
+                 memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
+                 span: EngineSpan = EngineSpan()):
+        """The engine, run from its first task; with `span.tasks` > 1 the other tasks host
+        the rest of its workers (engines/spanning.py EngineFollower)."""
         from vllm import LLM
 
-        from hpc_rl.precision import vllm_dtype
-
-        dtype = vllm_dtype(precision)
-        if tensor_parallel > 1 and not torch.cuda.is_available():
-            _bind_cpu_workers(tensor_parallel)
-        # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
-        # A token budget that fits every running sequence whole: no prompt is ever split by
-        # chunked prefill. vLLM 0.32 on CPU crashes when it rewinds a per-request seeded
-        # generator after a partial prefill ("CPU Generator does not use offset").
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
-                       gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
-                       tensor_parallel_size=tensor_parallel, worker_extension_cls=EXTENSION)
+        if span.node != 0:
+            raise ValueError("only an engine's first task runs the engine; the others host workers (EngineFollower)")
+        bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
+        self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
+                                       tensor_parallel, span))
         self.tensor_parallel = tensor_parallel
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_version = 0
@@ -198,20 +226,22 @@ class VLLMGenerator:
         return min(self.llm.collective_rpc("hpc_rl_version"))
 
 
-def _bind_cpu_workers(tp: int) -> None:
+def bind_cpu_workers(workers: int, engine_workers: int) -> None:
     """vLLM's CPU backend binds each worker's OpenMP threads to a NUMA node of its own and
-    refuses TP > NUMA nodes; on one node, split this process's CPUs between the workers
-    instead (VLLM_CPU_OMP_THREADS_BIND, unless the user set it)."""
+    refuses more workers than NUMA nodes; on one node, split this process's CPUs between
+    this task's `workers` instead (VLLM_CPU_OMP_THREADS_BIND, unless the user set it). A
+    single worker of a spanning engine binds them all. Engines of one worker keep vLLM's
+    default."""
     import os
 
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+    if torch.cuda.is_available() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or engine_workers <= 1:
         return
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < tp:
-        raise RuntimeError(f"a vLLM CPU engine of tensor parallel {tp} needs {tp} CPUs, this process may use {len(cpus)}")
-    per = len(cpus) // tp
+    if len(cpus) < workers:
+        raise RuntimeError(f"this task hosts {workers} vLLM CPU workers, one core each at least; it may use {len(cpus)}")
+    per = len(cpus) // workers
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        ",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+        ",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(workers))
 
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,

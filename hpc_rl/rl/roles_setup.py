@@ -25,6 +25,13 @@ def serve_role(ctx, routes: Routes) -> Dict[str, Any]:
     """Build this rank's role, meet the others once every model is loaded, then serve."""
     role = ctx.ident.role
     t0 = time.perf_counter()
+    if role == "generator" and not routes.leads_engine(ctx.ident.role_rank):
+        from hpc_rl.roles.generator import EngineFollowerRole
+
+        follower = EngineFollowerRole(ctx, routes)
+        dist.barrier(group=ctx.groups.world)  # every role has loaded its model
+        ctx.log.info("setup done in %.1fs", time.perf_counter() - t0)
+        return follower.serve_until(lambda: ctx.store.check([END_KEY.format(restart=ctx.ident.restart)]))
     if role == "generator":
         from hpc_rl.roles.generator import GeneratorRole
 
@@ -65,13 +72,16 @@ def wait_for_end(ctx) -> None:
 
 def domains_for_refit(ctx, routes: Routes) -> Optional[Dict[int, str]]:
     """Refit layout rank -> NVLink domain, from the placement made at rendezvous (trainer
-    ranks first, then one rank per engine); None when the placement has no domains."""
+    ranks first, then engine g's workers: refit/vllm_engine.py refit_setup); None when the
+    placement has no domains."""
     placement = getattr(ctx, "placement", None)
     if placement is None or not getattr(placement, "roles", None):
         return None
     trainer_role = ctx.plan.roles[0].name
+    tp = ctx.plan.role("generator").parallel["tp"]
+    per_task = max(tp // routes.engine_tasks, 1)  # an engine's workers per task
     ranks = [(trainer_role, i) for i in range(len(routes.trainer))] + \
-            [("generator", g) for g in range(len(routes.generators))]
+            [("generator", g * routes.engine_tasks + j // per_task) for g in range(len(routes.generators)) for j in range(tp)]
     out: Dict[int, str] = {}
     for layout_rank, (role, role_rank) in enumerate(ranks):
         rp = placement.roles.get(role)

@@ -9,23 +9,42 @@ from typing import Any, Dict, List
 
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.engines.base import EngineSpec, InferenceEngine
-from hpc_rl.engines.registry import build_engine
+from hpc_rl.engines.registry import build_engine, build_follower
+from hpc_rl.engines.spanning import dead_worker_report, engine_tasks_of, publish_master, read_master, report_dead_worker, seat_of
 from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import COLLECT, END, FORWARDED, IN_FLIGHT_KEY, REFIT, STOP, TEACHER_EVAL, Order, Work
 from hpc_rl.messaging.routes import Routes
+from hpc_rl.refit.vllm_engine import EngineSpan
 from hpc_rl.runtime.faults import maybe_inject
 
 
+STEP_KEY = "engine/{restart}/{engine}/step"  # the training step an engine's leader samples (for its followers)
+
+
+def engine_spec(ctx, engine: int, span: EngineSpan = EngineSpan()) -> EngineSpec:
+    """Engine g's arguments, the same in every task it spans."""
+    cfg, g = ctx.cfg, ctx.cfg.generator
+    return EngineSpec(cfg.model.path, g, max_model_len=g.max_model_len or cfg.trainer.max_seq_len,
+                      seed=cfg.run.seed + engine, on_gpu=ctx.device.startswith("cuda"), span=span)
+
+
 class GeneratorRole:
+    """An engine's first task: it runs the engine and serves the driver's orders."""
+
     def __init__(self, ctx, routes: Routes):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.routes, self.log = ctx, cfg, routes, ctx.log
-        self.index = ctx.ident.role_rank  # engine index: one engine per generator rank
+        self.seat = seat_of(ctx.ident.role_rank, engine_tasks_of(ctx.plan))
+        self.index = self.seat.engine  # the engine's index: routes.generators lists engine leaders
         self.router = TeacherRouter.from_config(cfg) if cfg.teachers else None
         g = cfg.generator
-        self.engine: InferenceEngine = build_engine(g.backend, EngineSpec(
-            cfg.model.path, g, max_model_len=g.max_model_len or cfg.trainer.max_seq_len,
-            seed=cfg.run.seed + self.index, on_gpu=ctx.device.startswith("cuda")))
+        span = EngineSpan()
+        if self.seat.tasks > 1:
+            host, port = publish_master(ctx.store, ctx.ident.restart, self.index)
+            span = EngineSpan(self.seat.tasks, 0, host, port)
+            self.log.info("engine %d spans generator tasks %d-%d; its workers meet at %s:%d", self.index,
+                          ctx.ident.role_rank, ctx.ident.role_rank + self.seat.tasks - 1, host, port)
+        self.engine: InferenceEngine = build_engine(g.backend, engine_spec(ctx, self.index, span))
         self.log.info("%s engine up (%s, %s)", g.backend, g.precision, ctx.device)
         asy = cfg.algo.async_rollout
         self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
@@ -49,7 +68,17 @@ class GeneratorRole:
                       self.engine.tensor_parallel, out.get("ranks"))
 
     def serve(self) -> Dict[str, Any]:
-        """Orders until the run ends or stops; returns what this rank did."""
+        """Orders until the run ends or stops; returns what this rank did. When the engine
+        stops because a worker in a follower task died, the error names that worker."""
+        try:
+            return self._serve()
+        except Exception as exc:
+            report = dead_worker_report(self.ctx.store, self.ctx.ident.restart, self.index) if self.seat.tasks > 1 else None
+            if report is None:
+                raise
+            raise RuntimeError(f"{report}; the engine stopped ({type(exc).__name__})") from exc
+
+    def _serve(self) -> Dict[str, Any]:
         done = {"role": "generator", "rank": self.index, "orders": 0, "steps": 0}
         while True:
             self.ctx.set_phase("wait")  # for the driver's next order
@@ -67,6 +96,8 @@ class GeneratorRole:
                 done["steps"] += 1
                 exchange.mark_step(order.step)
                 ident = self.ctx.ident
+                if self.seat.tasks > 1:  # the followers' injected failures fire at their engine's steps
+                    self.ctx.store.set(STEP_KEY.format(restart=ident.restart, engine=self.index), str(order.step))
                 maybe_inject(self.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, order.step)
             self._forward(order)
             if order.kind == COLLECT and order.refit_after is not None:  # the order says which weights follow
@@ -116,3 +147,40 @@ class GeneratorRole:
             self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))
         if order.kind == COLLECT:
             exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s), self.routes.driver)
+
+
+class EngineFollowerRole:
+    """A later task of an engine spanning several: it hosts some of the engine's workers
+    (each a refit rank, driven by the leader's RPCs), watches them and waits for the end."""
+
+    def __init__(self, ctx, routes: Routes):
+        self.ctx, self.log = ctx, ctx.log
+        ident = ctx.ident
+        self.seat = seat_of(ident.role_rank, engine_tasks_of(ctx.plan))
+        host, port = read_master(ctx.store, ident.restart, self.seat.engine)
+        span = EngineSpan(self.seat.tasks, self.seat.node, host, port)
+        self.follower = build_follower(ctx.cfg.generator.backend, engine_spec(ctx, self.seat.engine, span), self.seat)
+        self.log.info("%s: hosting the engine's workers from tp%d, pids %s (engine leader: generator rank %d)",
+                      self.seat, self.follower.first_tp_rank, self.follower.pids(), ident.role_rank - self.seat.node)
+        self._step = 0
+
+    def _watch(self) -> None:
+        """ft.inject_failure on this rank fires at the steps its engine's leader samples."""
+        ident = self.ctx.ident
+        key = STEP_KEY.format(restart=ident.restart, engine=self.seat.engine)
+        if not self.ctx.cfg.ft.inject_failure or not self.ctx.store.check([key]):
+            return
+        step = int(self.ctx.store.get(key).decode())
+        for s in range(self._step + 1, step + 1):
+            maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, s)
+        self._step = max(self._step, step)
+
+    def serve_until(self, ended) -> Dict[str, Any]:
+        self.ctx.set_phase("engine_workers", None)  # the leader's engine drives them
+        try:
+            ident = self.ctx.ident
+            self.follower.serve_until(ended, self._watch, lambda problem: report_dead_worker(
+                self.ctx.store, ident.restart, self.seat.engine, problem))
+        finally:
+            self.follower.shutdown()
+        return {"role": "generator", "rank": self.ctx.ident.role_rank, "engine": self.seat.engine, "follower": True}

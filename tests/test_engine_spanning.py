@@ -1,0 +1,109 @@
+"""vLLM engines spanning several generator tasks (#14, engines/spanning.py): the plan's
+seats and routes, the engine's arguments in each task, tiny_mopd with a TP-2 engine over two
+generator tasks (local processes; the het job is in tests/test_tensor_parallel_rl.py), and a
+dead worker ending the run with the engine and the worker named."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.config import load_config
+from hpc_rl.engines.spanning import engine_tasks_of, seat_of
+from hpc_rl.messaging.routes import Routes
+from hpc_rl.plan import build_plan
+from hpc_rl.refit.vllm_engine import EngineSpan, engine_kwargs
+
+TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
+SPAN = ["generator.parallel.tp=2", "generator.tasks_per_node=2"]  # one core per task: the engine takes both tasks
+SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
+         "data.eval_prompts_per_task=8", "trainer.micro_batch_size=8"]
+
+
+def test_seats_number_engines_and_their_tasks():
+    assert [(s.engine, s.node, s.leader) for s in (seat_of(r, 2) for r in range(4))] == \
+        [(0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False)]
+    assert str(seat_of(5, 4)) == "engine 1 task 1/4"
+
+
+def test_routes_send_orders_to_each_engine_leader_only():
+    plan = build_plan(load_config(TINY + SPAN))
+    routes = Routes.from_plan(plan)
+    first_generator = plan.role("trainer").tasks
+    assert engine_tasks_of(plan) == 2 and routes.engine_tasks == 2
+    assert routes.generators == [first_generator]  # one engine: its first task
+    assert routes.leads_engine(0) and not routes.leads_engine(1)
+    # the flagship: 512 generator tasks make 64 TP-8 engines; orders and rows go to/from 64 ranks
+    ultra = Routes.from_plan(build_plan(load_config(["+recipe=ultra_mopd"])))
+    assert len(ultra.generators) == 64 and ultra.generators[1] - ultra.generators[0] == 8
+
+
+def test_every_task_of_an_engine_builds_it_from_the_same_arguments_but_its_node_rank():
+    span = EngineSpan(tasks=2, node=0, master_addr="10.0.0.1", master_port=29600)
+    lead = engine_kwargs("/m", tensor_parallel=2, span=span)
+    follow = engine_kwargs("/m", tensor_parallel=2, span=EngineSpan(2, 1, "10.0.0.1", 29600))
+    assert {k for k in lead if lead[k] != follow[k]} == {"node_rank"}
+    assert (lead["nnodes"], lead["master_addr"], lead["master_port"]) == (2, "10.0.0.1", 29600)
+    assert "nnodes" not in engine_kwargs("/m", tensor_parallel=2)  # an engine inside one task
+
+
+def _launch(*args, **kw):
+    cmd = [sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", *SPAN, *SMALL, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _logs(run: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run / "logs").glob("*.out")))
+
+
+@pytest.mark.slow
+def test_tiny_mopd_with_an_engine_spanning_two_generator_tasks_locally(tmp_path):
+    run = tmp_path / "run"
+    out, err = _launch("run.max_steps=2", f"run.dir={run}").communicate(timeout=900)
+    assert "all ranks finished" in out, out[-3000:] + err[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["token_mult_prob_error"] <= 1.001 for r in steps)  # fp32 engine, refitted from the trainer
+    logs = _logs(run)
+    assert "engine 0 spans generator tasks 0-1" in logs
+    assert "engine 0 task 1/2: hosting the engine's workers from tp1" in logs
+    # the leader's RPCs reach the follower's worker: both join the refit group (trainer rank 0, workers 1 and 2)
+    assert "engine 0 joined the refit group: 2 worker(s) as refit ranks [1, 2]" in logs
+    import h5py
+
+    with h5py.File(run / "rollouts.h5", "r") as f:
+        # every worker, the follower's too, stamped each refit (the engine serves the oldest)
+        assert [f[f"step_{s:06d}"].attrs["weight_version"] for s in (1, 2)] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_dead_engine_worker_ends_the_run_naming_the_engine_and_the_worker(tmp_path):
+    run = tmp_path / "run"
+    proc = _launch("run.max_steps=30", f"run.dir={run}", "ft.progress_timeout_s=60")
+    deadline, pid = time.monotonic() + 600, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = re.search(r"hosting the engine's workers from tp1, pids \[(\d+)\]", _logs(run)) if (run / "logs").exists() else None
+        metrics = run / "metrics.jsonl"
+        if found and metrics.exists() and '"kind": "step"' in metrics.read_text():
+            pid = int(found.group(1))
+            break
+        time.sleep(1)
+    assert pid is not None, "the run never reached its first step"
+    os.kill(pid, signal.SIGKILL)  # the follower task's vLLM worker (TP rank 1) dies mid-run
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+    assert max(steps) < 30
+    errors = "".join(p.read_text() for p in (run / "errors").glob("*"))
+    named = f"vLLM engine 0: worker tp1 (pid {pid}, hosted by its task 1) exited with code -9"
+    assert named in errors, errors[-3000:]
+    assert "hpc_rl: run failed in generator:" in err and "worker tp1" in err + out, (out[-2000:], err[-2000:])
