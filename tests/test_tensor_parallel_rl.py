@@ -1,8 +1,9 @@
 """tiny_mopd end to end with a tensor-parallel (or context-parallel) student and teacher: the
 refit from the trainer's shards into vLLM, the teacher's scores and greedy answers, as local
 processes and as a Slurm het job. The tp layout also samples with a tensor-parallel-2 vLLM
-engine (#14): one generator task starting two workers, each a refit rank receiving only its
-slices of the tp=2 trainer's shards."""
+engine (#14), each worker a refit rank receiving only its slices of the tp=2 trainer's
+shards: locally one generator task starts both workers; in the het job the engine spans two
+generator tasks (engines/spanning.py)."""
 
 from __future__ import annotations
 
@@ -75,10 +76,15 @@ def test_tiny_mopd_with_tp2_over_two_trainer_nodes_and_a_tp2_engine_as_a_het_job
 
     run = tmp_path / "run"
     # six nodes, as the cluster has: tp=2 across the two trainer nodes; the teacher's tp=2
-    # runs its two ranks on one node
+    # runs its two ranks on one node; the TP-2 engine spans two generator tasks of one core
+    # each (engines/spanning.py: the second task hosts worker tp1)
     proc = _launch("cluster=local_slurm", "launcher=slurm", "launcher.wait=true", "trainer.nodes=2",
-                   "+teachers.add.tasks_per_node=2", "run.max_steps=2", f"run.dir={run}")
+                   "+teachers.add.tasks_per_node=2", "generator.tasks_per_node=2", "run.max_steps=2", f"run.dir={run}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    roles = [r["role"] for r in job_from_run_dir(run).results()]
-    assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/add", "teacher/mul", "env"]
+    results = job_from_run_dir(run).results()
+    roles = [r["role"] for r in results]
+    assert roles == ["trainer", "trainer", "generator", "generator", "teacher/add", "teacher/add", "teacher/mul", "env"]
+    assert [r.get("follower", False) for r in results if r["role"] == "generator"] == [False, True]
     _check(run, 2)
+    logs = "".join(p.read_text() for p in (run / "logs").glob("generator*.out"))
+    assert "engine 0 task 1/2: hosting the engine's workers from tp1" in logs
