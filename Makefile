@@ -42,6 +42,7 @@ bench: setup cluster-up
 	$(PY) bench/rl_results.py
 	$(PY) bench/faults.py
 	$(PY) bench/refit.py
+	$(PY) bench/engines.py
 	$(PY) bench/exchange.py
 	$(PY) bench/pipeline.py
 
