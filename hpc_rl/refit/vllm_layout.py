@@ -32,7 +32,8 @@ FUSED_MEMBERS = {
 _MEMBER = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 # One routed expert's tensor, as checkpoints and vLLM's MoE loader name it; vLLM stacks
 # every expert of a layer into `...experts.<...>w13_weight` [E, 2I, H] (gate, up) and
-# `w2_weight` [E, H, I] (down), and tensor parallel splits I (column gate/up, row down)
+# `w2_weight` [E, H, I] (down), and tensor parallel splits I (column gate/up, row down);
+# with expert parallel each worker stacks only its own experts, whole (ep_expert_blocks)
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -69,17 +70,62 @@ def vocab_bounds(vocab: int, tp: int) -> List[Tuple[int, int]]:
     return [(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(tp)]
 
 
-def vllm_tp_layout(specs: Specs, ranks: Sequence[int]) -> Layout:
+def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = False) -> Layout:
     """One vLLM engine of tensor parallel len(ranks): column-parallel (and fused members)
     split along dim 0, row-parallel along dim 1, the vocabulary by vLLM's padded split,
-    the rest replicated."""
-    lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n)}, ranks, megatron_tp_dim)
+    the rest replicated. With `expert_parallel` (vLLM's enable_expert_parallel, data
+    parallel 1) each routed expert's tensors go whole to the worker that owns the expert
+    (`ep_expert_blocks`); attention, shared experts, router and vocabulary are unchanged.
+    The owner loads them by their HF name with its global id: RoutedExperts.weight_loader
+    (vllm/model_executor/layers/fused_moe/routed_experts.py) maps the id through the
+    worker's expert_map to its local slot, and skips (returns False for) an id the worker
+    does not own, so no other worker needs them."""
+    experts = {n: v for n, v in specs.items() if expert_parallel and _EXPERT.match(n)}
+    lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n) and n not in experts}, ranks,
+                  megatron_tp_dim)
     for name, (shape, dtype) in specs.items():
         if _VOCAB.search(name):
             rest = tuple(shape[1:])
             lay.add(name, shape, dtype, [Piece(r, (a,) + (0,) * len(rest), (b,) + rest)
                                          for r, (a, b) in zip(ranks, vocab_bounds(shape[0], len(ranks)))])
+    counts = expert_counts(experts)
+    for name, (shape, dtype) in experts.items():
+        m = _EXPERT.match(name)
+        e = int(m.group("e"))
+        owner = next(r for r, (a, b) in zip(ranks, ep_expert_blocks(counts[m.group("prefix")], len(ranks)))
+                     if a <= e < b)
+        lay.add(name, shape, dtype, [Piece(owner, (0,) * len(shape), tuple(shape))])
     return lay
+
+
+def ep_expert_blocks(num_experts: int, ep: int) -> List[Tuple[int, int]]:
+    """The experts [a, b) each expert-parallel rank of vLLM 0.32 holds: its default "linear"
+    placement (vllm/config/parallel.py: ParallelConfig.expert_placement_strategy), computed
+    in vllm/model_executor/layers/fused_moe/expert_map_manager.py: determine_expert_map as
+    contiguous blocks of E // ep, the first E % ep ranks one expert more (its docstring says
+    the remainder goes to the last rank; the code gives it to the first ones, and the code
+    is what places the weights). "round_robin" is only honoured for grouped-expert models
+    (determine_expert_placement_strategy falls back to linear otherwise), so Qwen3-MoE is
+    always linear. Under EP vLLM sets ep = its TP size and tp = 1 for the experts
+    (fused_moe/config.py: FusedMoEParallelConfig.make), so an expert is never sliced."""
+    base, extra = divmod(num_experts, ep)
+    starts = [r * base + min(r, extra) for r in range(ep + 1)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def expert_counts(specs: Specs) -> Dict[str, int]:
+    """Experts per MoE layer (by the `...experts` prefix) among the routed-expert names; the
+    ids must run 0..E-1, since vLLM's placement depends on E."""
+    ids: Dict[str, set] = {}
+    for name in specs:
+        m = _EXPERT.match(name)
+        if m:
+            ids.setdefault(m.group("prefix"), set()).add(int(m.group("e")))
+    for prefix, found in ids.items():
+        if found != set(range(len(found))):
+            raise LayoutError(f"{prefix}: expert ids {sorted(found)} are not 0..{len(found) - 1}; vLLM places "
+                              f"experts by their count, so every expert of the layer must be named")
+    return {prefix: len(found) for prefix, found in ids.items()}
 
 
 def fused_targets(specs: Specs, tp_size: int) -> Dict[str, FusedTarget]:
@@ -103,16 +149,23 @@ def fused_targets(specs: Specs, tp_size: int) -> Dict[str, FusedTarget]:
     return out
 
 
-def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], str]], tp_size: int = 1) -> None:
-    """`params`: the live vLLM model's named parameters (name -> local shape, dtype).
-    Every HF tensor must land in a vLLM parameter, with shapes that add up; raises
-    LayoutError listing every problem."""
+def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], str]], tp_size: int = 1,
+                        expert_parallel: bool = False) -> None:
+    """`params`: the live vLLM model's named parameters (name -> local shape, dtype), as
+    its first worker (TP rank 0) reports them. Every HF tensor must land in a vLLM
+    parameter, with shapes that add up; raises LayoutError listing every problem.
+    `expert_parallel`: the engine runs with enable_expert_parallel (whole experts per
+    worker, the first worker holding the first block of `ep_expert_blocks`)."""
     problems: List[str] = []
     targets = fused_targets(specs, tp_size)
     fused_rows: Dict[str, int] = {}
+    blocks = {}
+    if expert_parallel:
+        blocks = {p: ep_expert_blocks(n, tp_size)[0] for p, n in expert_counts(specs).items()}
     for name, (shape, dtype) in specs.items():
         if _EXPERT.match(name):
-            problems += _expert_problems(name, shape, dtype, params, tp_size)
+            block = blocks.get(_EXPERT.match(name).group("prefix"))
+            problems += _expert_problems(name, shape, dtype, params, tp_size, block)
             continue
         target = vllm_name(name)
         if target not in params:
@@ -145,8 +198,10 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
 
 
 def _expert_problems(name: str, shape: Sequence[int], dtype: str, params: Mapping[str, Tuple[Sequence[int], str]],
-                    tp_size: int) -> List[str]:
-    """One expert's HF tensor against the layer's stacked vLLM parameter."""
+                    tp_size: int, block: Optional[Tuple[int, int]] = None) -> List[str]:
+    """One expert's HF tensor against the layer's stacked vLLM parameter. `block`: under
+    expert parallel, the experts [a, b) the checked worker holds, each whole; otherwise
+    every expert is on every worker, sliced over tensor parallel."""
     m = _EXPERT.match(name)
     down = m.group("kind") == "down_proj"
     suffix = "w2_weight" if down else "w13_weight"
@@ -156,10 +211,17 @@ def _expert_problems(name: str, shape: Sequence[int], dtype: str, params: Mappin
     vshape, vdtype = params[found[0]]
     problems = [] if vdtype == dtype else [f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {found[0]})"]
     rows, cols = shape
-    want = (rows, cols // tp_size) if down else (2 * rows // tp_size, cols)
-    if len(vshape) != 3 or int(m.group("e")) >= vshape[0] or tuple(vshape[1:]) != want:
+    split = 1 if block is not None else tp_size
+    want = (rows, cols // split) if down else (2 * rows // split, cols)
+    # under EP a worker stacks only its block, so the global id may exceed its stack
+    stacked = block[1] - block[0] if block is not None else None
+    fits = len(vshape) == 3 and tuple(vshape[1:]) == want and (
+        vshape[0] == stacked if block is not None else int(m.group("e")) < vshape[0])
+    if not fits:
+        how = (f"expert parallel: {stacked} whole experts of {want}" if block is not None
+               else f"per expert {want}")
         problems.append(f"{name}: shape {tuple(shape)} does not fit expert {m.group('e')} of vLLM's {found[0]} "
-                        f"{tuple(vshape)} (per expert {want} expected)")
+                        f"{tuple(vshape)} ({how} expected)")
     return problems
 
 
