@@ -6,7 +6,7 @@ interleaved (tp1, tp2, tp1_2cores, tp1, tp2, ...: --rounds of them) so that drif
 shared 2-core machine shows in every configuration alike. Configurations:
   tp1         TP 1 with vLLM's own CPU binding: on 2 cores it keeps one core for the
               scheduler, so the worker computes on one core (what a default TP-1 engine gets)
-  tp2         TP 2, one core per worker (the engine's `_bind_cpu_workers`: "0|1")
+  tp2         TP 2, one core per worker (the engine's `bind_cpu_workers`: "0|1")
   tp1_2cores  TP 1 bound to both cores ("0,1"): the same cores as tp2, one worker
 Per block: the engine's start, a warm-up batch, a first refit that also joins the refit
 group, then --trials rounds of (a generation batch, a refit reusing the group).

@@ -128,10 +128,10 @@ def test_cli_exits_2_naming_the_key(tmp_path):
 # refuses them for real launches; the dry run plans them and lists them.
 TINY = ["+recipe=tiny_mopd", "launcher=dry_run"]
 UNSUPPORTED = [
-    (ULTRA, "generator.parallel.ep", "tensor parallel only"),
-    (ULTRA + ["cluster=h100"], "generator.parallel.ep", "tensor parallel only"),
-    (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "tensor parallel only"),
-    (TINY + ["generator.tasks_per_node=2", "generator.parallel.cp=2"], "generator.parallel.cp", "tensor parallel only"),
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.tp=2", "generator.parallel.ep=2"], "generator.parallel.ep",
+     "ignores vLLM's expert map"),
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.pp=2"], "generator.parallel.pp", "pipeline parallelism in the engine cannot be launched"),
+    (TINY + ["generator.tasks_per_node=2", "generator.parallel.cp=2"], "generator.parallel.cp", "context parallelism in the engine cannot be launched"),
     (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
      "not both in one model"),
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
@@ -166,10 +166,10 @@ def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
     keys = {v.key for v in unsupported(cfg)}
     # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16); async with
     # in-flight weight updates runs (#15)
-    # the generator's TP-8 engines span 8 tasks (#14): only its expert parallel is refused
-    assert keys == {"generator.parallel.ep", "model.architecture"}, keys
+    # the generator's TP-8 x EP-8 engines span 8 tasks (#14): only the Nemotron-H checkpoint is refused
+    assert keys == {"model.architecture"}, keys
     text = render_unsupported(unsupported(cfg))
-    assert text.startswith("settings this version cannot run yet") and "fix: set generator.parallel.ep=1" in text
+    assert text.startswith("settings this version cannot run yet") and "nemotron_h" in text
     assert render_unsupported([]) == ""
 
 
@@ -214,6 +214,15 @@ def test_gpu_engines_span_one_task_per_gpu():
     gen = _generator(ULTRA)
     assert (gen.tasks, gen.tasks_per_replica, gen.parallel["dp"]) == (512, 8, 64)
     assert "generator.parallel.tp" not in {v.key for v in unsupported(load_config(ULTRA + ["cluster=h100"]))}
+
+
+def test_engine_expert_parallel_spans_its_tensor_parallel_workers():
+    # accepted on GPU clusters with ep = tp (vLLM's EP group is the engine's TP workers)
+    assert "generator.parallel.ep" not in {v.key for v in unsupported(load_config(ULTRA + ["cluster=h100"]))}
+    with pytest.raises(ConfigError) as info:
+        load_config(ULTRA + ["generator.parallel.ep=4"])
+    found = [v for v in info.value.violations if v.key == "generator.parallel.ep"]
+    assert found and "ep must equal tp=8" in found[0].problem and "generator.parallel.ep=8" in found[0].fix
 
 
 def test_an_engine_whose_tasks_do_not_fill_the_role_is_invalid():

@@ -55,6 +55,61 @@ def test_every_task_of_an_engine_builds_it_from_the_same_arguments_but_its_node_
     assert "nnodes" not in engine_kwargs("/m", tensor_parallel=2)  # an engine inside one task
 
 
+ULTRA_TEACHERS = ("general", "rlhf", "ifbench", "reasoning", "swe")
+
+
+def _stand_in(path: Path, arch: str, model_type: str, experts_key: str) -> str:
+    """A stand-in checkpoint directory (config, tokenizer config, an empty weights file): the
+    flagship's checks read shapes and files, not weights. Its shape is made up, not Ultra's."""
+    path.mkdir(parents=True)
+    path.joinpath("config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": model_type, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "hidden_size": 8192, "intermediate_size": 16384, "moe_intermediate_size": 2048, experts_key: 128,
+        "vocab_size": 131072, "num_hidden_layers": 4}))
+    path.joinpath("tokenizer_config.json").write_text("{}")
+    path.joinpath("model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+def _ultra_with(checkpoint: str, tmp_path: Path, *extra: str) -> list:
+    return ["+recipe=ultra_mopd", "launcher=slurm", f"model.path={checkpoint}", f"run.dir={tmp_path / 'run'}",
+            *[f"teachers.{t}.checkpoint={checkpoint}" for t in ULTRA_TEACHERS], *extra]
+
+
+def test_the_flagship_with_checkpoints_present_is_refused_for_no_generator_reason(tmp_path, capsys):
+    from hpc_rl.launch import main
+
+    ckpt = _stand_in(tmp_path / "nemotron_h", "NemotronHForCausalLM", "nemotron_h", "n_routed_experts")
+    code = main(_ultra_with(ckpt, tmp_path))
+    text = capsys.readouterr()
+    text = text.out + text.err
+    assert code == 2 and "nothing was submitted" in text
+    refused = re.findall(r"^  - ([\w.]+) = ", text, flags=re.M)
+    # its Nemotron-H checkpoints are what this version cannot run; its TP-8 x EP-8 engines are not
+    assert "model.architecture" in refused and not [k for k in refused if k.startswith("generator.")], refused
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_flagships_shape_passes_every_check_with_an_moe_checkpoint_of_a_supported_architecture(tmp_path):
+    from hpc_rl.launchers.runnable import check_runnable
+
+    ckpt = _stand_in(tmp_path / "qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "num_experts")
+    cfg = load_config(_ultra_with(ckpt, tmp_path, "model.architecture=qwen3_moe", "model.num_experts=128"))
+    check_runnable(cfg)  # raises ConfigError naming anything this version would refuse
+    assert (cfg.generator.parallel.tp, cfg.generator.parallel.ep, cfg.cluster.name) == (8, 8, "gb200_nvl72")
+
+
+def test_an_expert_parallel_engine_needs_routed_experts(tmp_path):
+    from hpc_rl.config import ConfigError
+    from hpc_rl.launchers.runnable import check_runnable
+
+    ckpt = _stand_in(tmp_path / "dense", "Qwen3MoeForCausalLM", "qwen3_moe", "no_experts_here")
+    with pytest.raises(ConfigError) as info:
+        check_runnable(load_config(_ultra_with(ckpt, tmp_path, "model.architecture=qwen3_moe")))
+    found = [v for v in info.value.violations if v.key == "generator.parallel.ep"]
+    assert found and "has no routed experts" in found[0].problem and found[0].fix == "set generator.parallel.ep=1"
+
+
 def _launch(*args, **kw):
     cmd = [sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", *SPAN, *SMALL, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)

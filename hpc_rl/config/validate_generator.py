@@ -42,3 +42,9 @@ def check_generator(out: List[Violation], cfg: RunConfig) -> None:
                              f"a generator task would own {cores} of the node's {cfg.cluster.cpus_per_node} cores; each vLLM "
                              f"CPU worker needs one at least",
                              f"set generator.tasks_per_node <= {cfg.cluster.cpus_per_node}"))
+    p = g.parallel
+    if p.ep > 1 and p.ep != p.tp:
+        # vLLM's expert-parallel group is the engine's tensor-parallel workers (no data parallel inside an engine here)
+        out.append(Violation("generator.parallel.ep", p.ep,
+                             f"a vLLM engine's expert parallel spans its tensor-parallel workers: ep must equal tp={p.tp}",
+                             f"set generator.parallel.ep={p.tp} (or 1: every expert split by tensor parallel)"))

@@ -31,6 +31,7 @@ class Sampling:
 class InferenceEngine(Protocol):
     weight_version: int  # the trainer step whose weights the engine serves (0: the initial ones)
     tensor_parallel: int  # refit ranks this engine contributes (one per worker)
+    expert_parallel: bool  # its workers hold whole experts (refit/vllm_layout.py's EP destination)
 
     def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int],
                between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:

@@ -84,7 +84,7 @@ class EngineFollower:
     """The workers one follower task hosts for its engine (vLLM's headless node)."""
 
     def __init__(self, seat: EngineSeat, span: EngineSpan, model_path: str, precision: str, max_model_len: int,
-                 seed: int, memory_fraction: float, max_num_seqs: int, tensor_parallel: int):
+                 seed: int, memory_fraction: float, max_num_seqs: int, tensor_parallel: int, expert_parallel: bool = False):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
@@ -93,7 +93,7 @@ class EngineFollower:
         self.seat = seat
         bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
         args = EngineArgs(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
-                                          tensor_parallel, span))
+                                          tensor_parallel, span, expert_parallel))
         config = args.create_engine_config(headless=True)
         # blocks until these workers have joined the engine's process group with the leader's
         self.executor = MultiprocExecutor(config, monitor_workers=False)

@@ -26,14 +26,14 @@ class VLLMEngine:
         g = spec.generator
         return cls(VLLMGenerator(spec.checkpoint, precision=g.precision, max_model_len=spec.max_model_len,
                                  seed=spec.seed, memory_fraction=_memory_fraction(spec), max_num_seqs=g.max_num_seqs,
-                                 tensor_parallel=g.parallel.tp, span=spec.span))
+                                 tensor_parallel=g.parallel.tp, span=spec.span, expert_parallel=g.parallel.ep > 1))
 
     @staticmethod
     def follower(spec: EngineSpec, seat) -> "EngineFollower":
         """The workers a follower task hosts for its engine, built from the same arguments."""
         g = spec.generator
         return EngineFollower(seat, spec.span, spec.checkpoint, g.precision, spec.max_model_len, spec.seed,
-                              _memory_fraction(spec), g.max_num_seqs, g.parallel.tp)
+                              _memory_fraction(spec), g.max_num_seqs, g.parallel.tp, g.parallel.ep > 1)
 
     @property
     def weight_version(self) -> int:
@@ -42,6 +42,10 @@ class VLLMEngine:
     @property
     def tensor_parallel(self) -> int:
         return self.vllm.tensor_parallel
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.vllm.expert_parallel
 
     def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int],
                between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:

@@ -82,25 +82,31 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
                              "and vocabulary (or 1)"))
 
 
-def _check_engine_split(out: List[Violation], path: str, tp: int) -> None:
+def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
     """A vLLM engine of tensor parallel `tp` gives each worker whole attention and key/value
     heads and an equal slice of the MLP (the refit's destination layout splits them evenly;
-    vLLM pads the vocabulary itself): refuse a tp that does not divide this checkpoint's."""
+    vLLM pads the vocabulary itself): refuse a tp that does not divide this checkpoint's.
+    With expert parallel (ep = tp) each worker holds whole experts instead of slices, which
+    needs a checkpoint with routed experts."""
     import json
 
-    if tp <= 1:
+    if tp <= 1 and ep <= 1:
         return
     config = json.loads((Path(path) / "config.json").read_text())
     need = {"num_attention_heads": config.get("num_attention_heads"),
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
-    if config.get("moe_intermediate_size"):  # an MoE checkpoint's experts split too (vLLM's fused MoE)
+    if config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
         need["moe_intermediate_size"] = config["moe_intermediate_size"]
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
     if problems:
         out.append(Violation("generator.parallel.tp", tp, f"{path}: " + "; ".join(problems),
                              "set generator.parallel.tp to a size that divides the heads, key/value heads and "
                              "intermediate size (or 1)"))
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    if ep > 1 and not experts:
+        out.append(Violation("generator.parallel.ep", ep, f"{path} has no routed experts (a dense checkpoint): "
+                             "expert parallel would split nothing", "set generator.parallel.ep=1"))
 
 
 def generated_rows(cfg: RunConfig) -> List[dict]:
@@ -141,7 +147,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     if resolved:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
-        _check_engine_split(out, resolved, cfg.generator.parallel.tp)
+        _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
         p = _check_model(out, f"teachers.{alias}.checkpoint", t.checkpoint)

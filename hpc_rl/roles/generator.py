@@ -60,7 +60,7 @@ class GeneratorRole:
 
         setup = exchange.recv(self.routes.driver)
         check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
-                            self.engine.params(), self.engine.tensor_parallel)
+                            self.engine.params(), self.engine.tensor_parallel, expert_parallel=self.engine.expert_parallel)
         first = engine_first_rank(len(self.routes.trainer), self.index, self.engine.tensor_parallel)
         out = self.engine.join_refit(setup, first, self.ctx.store_addr, self.ctx.store_port)
         # engine g's workers are refit ranks first + their TP rank (generator:g/tp<j>)

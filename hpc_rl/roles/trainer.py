@@ -58,7 +58,7 @@ class TrainerRole:
             setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=domain_of,
-                                engine_tp=cfg.generator.parallel.tp, src=src)
+                                engine_tp=cfg.generator.parallel.tp, src=src, engine_ep=cfg.generator.parallel.ep > 1)
             for g in r.generators:
                 exchange.send(setup, g)
         setup = exchange.share(setup, r.driver, self.ctx.groups.role)
