@@ -80,9 +80,12 @@ class EngineSpan:
 
 def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
                   memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
-                  span: EngineSpan = EngineSpan(), expert_parallel: bool = False) -> Dict[str, object]:
+                  span: EngineSpan = EngineSpan(), expert_parallel: bool = False,
+                  worker_extension: str = EXTENSION) -> Dict[str, object]:
     """vLLM engine arguments: every task of a spanning engine builds its part from the same ones.
-    `expert_parallel`: the MoE layers' experts are spread whole over the TP workers."""
+    `expert_parallel`: the MoE layers' experts are spread whole over the TP workers.
+    `worker_extension`: the refit extension class vLLM imports in each worker (tests may
+    subclass it)."""
     from hpc_rl.precision import vllm_dtype
 
     # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
@@ -92,14 +95,14 @@ def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int =
     return dict(model=model_path, dtype=vllm_dtype(precision), max_model_len=max_model_len, enforce_eager=True, seed=seed,
                 gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
-                tensor_parallel_size=tensor_parallel, worker_extension_cls=EXTENSION, **span.vllm_args(),
+                tensor_parallel_size=tensor_parallel, worker_extension_cls=worker_extension, **span.vllm_args(),
                 **({"enable_expert_parallel": True} if expert_parallel else {}))
 
 
 class VLLMGenerator:
     def __init__(self, model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
                  memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
-                 span: EngineSpan = EngineSpan(), expert_parallel: bool = False):
+                 span: EngineSpan = EngineSpan(), expert_parallel: bool = False, worker_extension: str = EXTENSION):
         """The engine, run from its first task; with `span.tasks` > 1 the other tasks host
         the rest of its workers (engines/spanning.py EngineFollower)."""
         from vllm import LLM
@@ -108,7 +111,7 @@ class VLLMGenerator:
             raise ValueError("only an engine's first task runs the engine; the others host workers (EngineFollower)")
         bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
         self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
-                                       tensor_parallel, span, expert_parallel))
+                                       tensor_parallel, span, expert_parallel, worker_extension))
         self.tensor_parallel = tensor_parallel
         self.expert_parallel = expert_parallel
         self.tokenizer = self.llm.get_tokenizer()
@@ -292,7 +295,7 @@ def refit_in_process(generator: VLLMGenerator, store, port: int, state, version:
     cast = whole_tensor_sources({k: v.to(getattr(torch, generator.dtype_name)) for k, v in state.items()}, 0)
     if endpoint is None:
         setup = refit_setup(specs_of(state, generator.dtype_name), 1, 1, prefix, timeout_s=timeout_s,
-                            engine_tp=generator.tensor_parallel)
+                            engine_tp=generator.tensor_parallel, engine_ep=generator.expert_parallel)
         joined = []
         joiner = threading.Thread(target=lambda: joined.append(generator.join_refit(setup, 1, "127.0.0.1", port)))
         joiner.start()
