@@ -1,7 +1,8 @@
 """vLLM engines spanning several generator tasks (#14, engines/spanning.py): the plan's
-seats and routes, the engine's arguments in each task, tiny_mopd with a TP-2 engine over two
-generator tasks (local processes; the het job is in tests/test_tensor_parallel_rl.py), and a
-dead worker ending the run with the engine and the worker named."""
+seats and routes, the engine's arguments in each task, the flagship's checks with stand-in
+checkpoints, and tiny_mopd with a TP-2 engine over two generator tasks as local processes
+until a worker is killed, which ends the run naming the engine and the worker (the het job
+is in tests/test_tensor_parallel_rl.py; 120 steps in bench/rl_results.py engine_span)."""
 
 from __future__ import annotations
 
@@ -120,28 +121,7 @@ def _logs(run: Path) -> str:
 
 
 @pytest.mark.slow
-def test_tiny_mopd_with_an_engine_spanning_two_generator_tasks_locally(tmp_path):
-    run = tmp_path / "run"
-    out, err = _launch("run.max_steps=2", f"run.dir={run}").communicate(timeout=900)
-    assert "all ranks finished" in out, out[-3000:] + err[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["kind"] == "step"]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["token_mult_prob_error"] <= 1.001 for r in steps)  # fp32 engine, refitted from the trainer
-    logs = _logs(run)
-    assert "engine 0 spans generator tasks 0-1" in logs
-    assert "engine 0 task 1/2: hosting the engine's workers from tp1" in logs
-    # the leader's RPCs reach the follower's worker: both join the refit group (trainer rank 0, workers 1 and 2)
-    assert "engine 0 joined the refit group: 2 worker(s) as refit ranks [1, 2]" in logs
-    import h5py
-
-    with h5py.File(run / "rollouts.h5", "r") as f:
-        # every worker, the follower's too, stamped each refit (the engine serves the oldest)
-        assert [f[f"step_{s:06d}"].attrs["weight_version"] for s in (1, 2)] == [0, 1]
-
-
-@pytest.mark.slow
-def test_a_dead_engine_worker_ends_the_run_naming_the_engine_and_the_worker(tmp_path):
+def test_an_engine_spanning_two_tasks_runs_tiny_mopd_until_a_worker_dies_and_the_run_names_it(tmp_path):
     run = tmp_path / "run"
     proc = _launch("run.max_steps=30", f"run.dir={run}", "ft.progress_timeout_s=60")
     deadline, pid = time.monotonic() + 600, None
@@ -153,6 +133,13 @@ def test_a_dead_engine_worker_ends_the_run_naming_the_engine_and_the_worker(tmp_
             break
         time.sleep(1)
     assert pid is not None, "the run never reached its first step"
+    # up to here the engine spanning two tasks ran tiny_mopd: both workers joined the refit group
+    # (trainer rank 0, workers 1 and 2) and the first step sampled on refitted weights
+    logs = _logs(run)
+    assert "engine 0 spans generator tasks 0-1" in logs
+    assert "engine 0 joined the refit group: 2 worker(s) as refit ranks [1, 2]" in logs
+    first = next(json.loads(x) for x in metrics.read_text().splitlines() if '"kind": "step"' in x)
+    assert first["token_mult_prob_error"] <= 1.001
     os.kill(pid, signal.SIGKILL)  # the follower task's vLLM worker (TP rank 1) dies mid-run
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
