@@ -149,3 +149,28 @@ def test_an_engine_spanning_two_tasks_runs_tiny_mopd_until_a_worker_dies_and_the
     named = f"vLLM engine 0: worker tp1 (pid {pid}, hosted by its task 1) exited with code -9"
     assert named in errors, errors[-3000:]
     assert "hpc_rl: run failed in generator:" in err and "worker tp1" in err + out, (out[-2000:], err[-2000:])
+
+
+def test_an_injected_failure_on_a_follower_fires_at_its_engines_step():
+    from types import SimpleNamespace
+
+    from hpc_rl.roles.generator import STEP_KEY, EngineFollowerRole
+
+    class Store(dict):  # the TCPStore calls the follower makes
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def get(self, key):
+            return self[key].encode()
+
+    store = Store()
+    role = object.__new__(EngineFollowerRole)  # its workers are not needed to watch the steps
+    role.seat, role._step = seat_of(1, 2), 0
+    role.ctx = SimpleNamespace(store=store, cfg=SimpleNamespace(ft=SimpleNamespace(inject_failure="generator:1@3")),
+                               ident=SimpleNamespace(role="generator", role_rank=1, restart=0))
+    role._watch()  # the leader has not sampled a step yet
+    store[STEP_KEY.format(restart=0, engine=0)] = "2"
+    role._watch()
+    store[STEP_KEY.format(restart=0, engine=0)] = "4"  # the watch missed step 3: it still fires for it
+    with pytest.raises(RuntimeError, match=r"injected failure on generator:1 at step 3"):
+        role._watch()
