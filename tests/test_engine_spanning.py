@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.engines.spanning import engine_tasks_of, seat_of
+from hpc_rl.engines.spanning import seat_of
 from hpc_rl.messaging.routes import Routes
 from hpc_rl.plan import build_plan
 from hpc_rl.refit.vllm_engine import EngineSpan, engine_kwargs
@@ -39,7 +39,7 @@ def test_routes_send_orders_to_each_engine_leader_only():
     plan = build_plan(load_config(TINY + SPAN))
     routes = Routes.from_plan(plan)
     first_generator = plan.role("trainer").tasks
-    assert engine_tasks_of(plan) == 2 and routes.engine_tasks == 2
+    assert plan.role("generator").tasks_per_replica == 2 and routes.engine_tasks == 2
     assert routes.generators == [first_generator]  # one engine: its first task
     assert routes.leads_engine(0) and not routes.leads_engine(1)
     # the flagship: 512 generator tasks make 64 TP-8 engines; orders and rows go to/from 64 ranks

@@ -42,7 +42,7 @@ def _pin(task: int, platform: str) -> None:
         os.sched_setaffinity(0, {cpus[task % len(cpus)]})
 
 
-def _engine_args(ckpt: str, platform: str) -> dict:
+def _engine_args(platform: str) -> dict:
     return dict(precision="bf16" if platform == "cuda" else "fp32", max_model_len=128, seed=0,
                 memory_fraction=0.3 if platform == "cuda" else 0.05, max_num_seqs=32)
 
@@ -53,7 +53,7 @@ def _follower(task: int, tp: int, ckpt: str, platform: str, addr: str, port: int
         from hpc_rl.engines.spanning import EngineFollower, EngineSeat
         from hpc_rl.refit.vllm_engine import EngineSpan
 
-        a = _engine_args(ckpt, platform)
+        a = _engine_args(platform)
         follower = EngineFollower(EngineSeat(0, task, tp), EngineSpan(tp, task, addr, port), ckpt, a["precision"],
                                   a["max_model_len"], a["seed"], a["memory_fraction"], a["max_num_seqs"], tp)
         out.put({"task": task, "worker_pids": follower.pids()})
@@ -76,7 +76,7 @@ def _leader(tp: int, ckpt: str, platform: str, addr: str, port: int, result: dic
     from hpc_rl.models.fsdp2 import token_logprobs
     from hpc_rl.refit.vllm_engine import EngineSpan, VLLMGenerator, refit_in_process
 
-    a = _engine_args(ckpt, platform)
+    a = _engine_args(platform)
     t0 = time.perf_counter()
     gen = VLLMGenerator(ckpt, tensor_parallel=tp, span=EngineSpan(tp, 0, addr, port), **a)
     result["engine_start_s"] = time.perf_counter() - t0

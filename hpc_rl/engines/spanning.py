@@ -57,11 +57,6 @@ def seat_of(role_rank: int, engine_tasks: int) -> EngineSeat:
     return EngineSeat(role_rank // engine_tasks, role_rank % engine_tasks, engine_tasks)
 
 
-def engine_tasks_of(plan) -> int:
-    """Tasks per engine from the job plan: the generator's tasks over its engines (dp)."""
-    return plan.role("generator").tasks_per_replica
-
-
 def publish_master(store, restart: int, engine: int) -> Tuple[str, int]:
     """The leader picks where its engine's workers meet: this host, a free port."""
     from vllm.utils.network_utils import get_ip

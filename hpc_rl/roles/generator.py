@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.engines.base import EngineSpec, InferenceEngine
 from hpc_rl.engines.registry import build_engine, build_follower
-from hpc_rl.engines.spanning import dead_worker_report, engine_tasks_of, publish_master, read_master, report_dead_worker, seat_of
+from hpc_rl.engines.spanning import dead_worker_report, publish_master, read_master, report_dead_worker, seat_of
 from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import COLLECT, END, FORWARDED, IN_FLIGHT_KEY, REFIT, STOP, TEACHER_EVAL, Order, Work
 from hpc_rl.messaging.routes import Routes
@@ -34,7 +34,7 @@ class GeneratorRole:
     def __init__(self, ctx, routes: Routes):
         cfg = ctx.cfg
         self.ctx, self.cfg, self.routes, self.log = ctx, cfg, routes, ctx.log
-        self.seat = seat_of(ctx.ident.role_rank, engine_tasks_of(ctx.plan))
+        self.seat = seat_of(ctx.ident.role_rank, routes.engine_tasks)
         self.index = self.seat.engine  # the engine's index: routes.generators lists engine leaders
         self.router = TeacherRouter.from_config(cfg) if cfg.teachers else None
         g = cfg.generator
@@ -156,7 +156,7 @@ class EngineFollowerRole:
     def __init__(self, ctx, routes: Routes):
         self.ctx, self.log = ctx, ctx.log
         ident = ctx.ident
-        self.seat = seat_of(ident.role_rank, engine_tasks_of(ctx.plan))
+        self.seat = seat_of(ident.role_rank, routes.engine_tasks)
         host, port = read_master(ctx.store, ident.restart, self.seat.engine)
         span = EngineSpan(self.seat.tasks, self.seat.node, host, port)
         self.follower = build_follower(ctx.cfg.generator.backend, engine_spec(ctx, self.seat.engine, span), self.seat)
