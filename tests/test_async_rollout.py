@@ -15,6 +15,7 @@ import pytest
 from hpc_rl.data.dataset import PromptRecord
 from hpc_rl.refit.vllm_engine import SampleRow
 from hpc_rl.rl.staleness import age_histogram, drop_stale
+from slow_train_step import SLOW_TRAIN_STEP, check_slow_train_step_was_waited_for
 
 
 def _gathered(first_versions, group_size=2):
@@ -72,7 +73,8 @@ def _launch(run: Path, *args, env=None):
 @pytest.mark.slow
 def test_async_grpo_trains_one_step_behind_and_never_beyond_the_bound(tmp_path):
     run = tmp_path / "run"
-    rows = _launch(run, "+recipe=tiny_grpo", *SMALL)
+    rows = _launch(run, "+recipe=tiny_grpo", *SMALL, *SLOW_TRAIN_STEP)
+    check_slow_train_step_was_waited_for(run, phase="wait_send")
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     with h5py.File(run / "rollouts.h5", "r") as f:
@@ -89,6 +91,10 @@ def test_async_grpo_trains_one_step_behind_and_never_beyond_the_bound(tmp_path):
         assert r["versions"]["age"] == ({"0": 128} if r["step"] == 1 else {"1": 128})
         assert {"wait_rows_s", "generate_busy_s", "train_s", "refit_s", "step_s"} <= set(r["timing"])
     assert (run / "FINISHED").exists()
+    # every sample is one version old after the first step: no step measures the engine
+    # against the trainer on the same weights, and the policy's change is reported apart
+    assert "token_mult_prob_error" in steps[0] and all("token_mult_prob_error" not in r for r in steps[1:])
+    assert all(r["policy_change_mult_prob_error"] > 1.0 for r in steps[1:])
 
 
 @pytest.mark.slow
@@ -100,9 +106,10 @@ def test_in_flight_weight_updates_land_mid_generation_within_the_bound(tmp_path)
     # the trainer's threads and vLLM's busy engine loop share both cores and the trainer's
     # step stretched past the sampling (3-5 s of log-probs measured).
     run = tmp_path / "run"
-    rows = _launch(run, "+recipe=tiny_grpo", *SMALL, "algo.async_rollout.in_flight_weight_updates=true",
+    rows = _launch(run, "+recipe=tiny_grpo", *SMALL, *SLOW_TRAIN_STEP, "algo.async_rollout.in_flight_weight_updates=true",
                    "generator.max_num_seqs=4", "generator.sampling.min_tokens=24", "generator.sampling.max_tokens=32",
                    env=dict(os.environ, HPC_RL_CPU_AFFINITY="trainer=0;generator=1;env=1"))
+    check_slow_train_step_was_waited_for(run)  # step 3 sampled faster than step 2 trained: it waited
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     straddled = 0

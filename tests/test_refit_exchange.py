@@ -65,6 +65,9 @@ def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, 
                     view = full[tuple(slice(a, b) for a, b in zip(piece.start, piece.stop))].clone()
                     holdings.src.setdefault(piece.rank, {})[name] = (piece.start, view)
         walk = RefitWalk(plan, holdings, proc_of, me, transport, direct_min=direct_min)
+        if misbehave == "train4":  # still training for 4 s, longer than the 3 s deadline, then ready
+            time.sleep(4.0)
+        transport.ready(3.0)  # the deadline counts from here: every rank is ready
         if misbehave == "die":
             time.sleep(0.3)
             os._exit(9)
@@ -95,7 +98,8 @@ def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, 
         out.put((me, "crash", traceback.format_exc(), 0.0))
 
 
-def run_case(src: Layout, dst: Layout, proc_of, domain_of=None, direct_min=256, misbehave=None, kind="torch"):
+def run_case(src: Layout, dst: Layout, proc_of, domain_of=None, direct_min=256, misbehave=None, kind="torch",
+             expect_all=False):
     world = max(proc_of.values()) + 1
     port = _free_port()
     ctx = mp.get_context("fork")
@@ -104,7 +108,7 @@ def run_case(src: Layout, dst: Layout, proc_of, domain_of=None, direct_min=256, 
                                              (misbehave or {}).get(p), kind, out)) for p in range(world)]
     for p in procs:
         p.start()
-    expected = world - len(misbehave or {})
+    expected = world if expect_all else world - len(misbehave or {})
     results = {}
     deadline = time.monotonic() + 60
     while len(results) < expected and time.monotonic() < deadline:
@@ -168,6 +172,17 @@ def test_a_dead_or_silent_receiver_makes_the_sender_raise_within_the_deadline(ho
     # the healthy receiver does not hang either
     kind1, payload1, secs1 = results[1]
     assert kind1 == "error" and secs1 < 5.0, (kind1, payload1, secs1)
+    if how == "hang":  # the message names the setting and what the late peer was doing, for how long
+        assert "refit.timeout_s=3 from the moment every rank of the refit group was ready" in payload, payload
+        assert "proc:2 was in refit 1 for" in payload, payload
+
+
+def test_a_peer_still_training_past_the_deadline_is_waited_for():
+    """Issue 31: the deadline bounds the transfer, not a peer's train step. The sender is
+    ready 4 s after the receivers, past the 3 s deadline, and every byte still lands."""
+    src, dst = tensor_parallel(SPECS, [0]), tensor_parallel(SPECS, [10, 11])
+    results = run_case(src, dst, {0: 0, 10: 1, 11: 2}, misbehave={0: "train4"}, expect_all=True)
+    _assert_exact(results, 3)
 
 
 def test_a_barrier_rank_blames_where_the_chain_of_waits_ends_not_a_live_sender():

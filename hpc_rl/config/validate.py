@@ -328,11 +328,15 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         try:
             inj = parse_injection(spec)
             bad = inj.role not in names
+            if isinstance(inj.step, str) and inj.step.startswith("train") and inj.role != "trainer":
+                out.append(Violation("ft.inject_failure", spec, "@train<step> fires in the trainer's train phase: "
+                                     "only trainer ranks have one", f"e.g. ft.inject_failure=trainer:0:stall20@{inj.step}"))
         except ValueError:
             bad = True
         if bad:
             out.append(Violation("ft.inject_failure", spec,
-                                 "must be <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@save<step>] naming a role of this job",
+                                 "must be <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@train<step>|@save<step>] "
+                                 "naming a role of this job",
                                  f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
     ft = cfg.ft
     if ft.heartbeat_timeout_s < 0 or (ft.heartbeat_timeout_s > 0 and ft.heartbeat_interval_s <= 0):

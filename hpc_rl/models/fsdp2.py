@@ -52,7 +52,8 @@ def check_checkpoint(path: str) -> dict:
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, T, V] logits, [B, T] ids -> [B, T] with out[:, i] = log p(ids[:, i] | ids[:, :i]), out[:, 0] = 0."""
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    # at least fp32 (bf16 logits lose the tail of the distribution); a float64 model keeps float64
+    lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 

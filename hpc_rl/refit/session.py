@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
@@ -73,6 +73,7 @@ class RefitEndpoint:
                               self.transport, self.setup.direct_min)
         self.prepare_s = time.perf_counter() - t0
         self.deadline = 0.0
+        self.ready_wait_s = 0.0  # the last refit's wait for the group to be ready
 
     def set_sources(self, sources: Dict[int, Dict[str, Tuple[Start, torch.Tensor]]]) -> None:
         """New source tensors for the next refit. Only when they are other tensors than the
@@ -85,17 +86,27 @@ class RefitEndpoint:
             self.walk = RefitWalk(self.plan, Holdings(src=sources, dst=self.walk.holdings.dst), self.setup.proc_of,
                                   self.me, self.transport, self.setup.direct_min)
 
-    def stream(self, timeout_s: Optional[float] = None, on_posted=None) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
-        self.deadline = time.monotonic() + (timeout_s or self.setup.timeout_s)
+    def stream(self, timeout_s: Optional[float] = None, on_posted=None,
+               on_ready: Optional[Callable[[], None]] = None) -> Iterator[Tuple[int, str, Start, torch.Tensor]]:
+        """Wait until every rank of the group is ready (no deadline: runtime/heartbeat.py
+        watches for dead and stuck peers), then stream this rank's part within `timeout_s`.
+        `on_ready` runs once all are ready (a role leaves its waiting phase there)."""
+        timeout_s = timeout_s or self.setup.timeout_s
+        self.ready_wait_s = self.transport.ready(timeout_s)
+        if on_ready is not None:
+            on_ready()
+        self.deadline = time.monotonic() + timeout_s
         return self.walk.stream(self.deadline, on_posted)
 
     def finish(self) -> RefitStats:
         """The end-of-refit barrier (within the same deadline): every side knows all arrived."""
+        self.transport._doing(f"in the end-of-refit barrier of refit {self.transport.refit_no}")
         self.transport.barrier(self.deadline)
+        self.transport._doing(f"done with refit {self.transport.refit_no}")
         return self.walk.stats
 
-    def run(self, timeout_s: Optional[float] = None) -> RefitStats:
-        for _ in self.stream(timeout_s):
+    def run(self, timeout_s: Optional[float] = None, on_ready: Optional[Callable[[], None]] = None) -> RefitStats:
+        for _ in self.stream(timeout_s, on_ready=on_ready):
             pass
         return self.finish()
 

@@ -16,9 +16,10 @@ rather than a bare "connection closed".
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,35 @@ class Transport(Protocol):
 
     def barrier(self, deadline: float) -> None: ...
 
+    def ready(self, timeout_s: float) -> float: ...
+
+
+def ready_key(prefix: str, refit_no: int, rank: int) -> str:
+    """Refit rank `rank` is ready for the group's refit number `refit_no` (1, 2, ...): the
+    one spelling of the key, for the endpoints and for the generator role's wait."""
+    return f"{prefix}/ready/{refit_no}/{rank}"
+
+
+def wait_ready(store: dist.Store, prefix: str, refit_no: int, ranks: Sequence[int], poll_s: float = 2.0,
+               abort_key: Optional[str] = None) -> float:
+    """Wait, with no deadline, until every rank in `ranks` is ready for refit `refit_no`;
+    returns the seconds waited. A peer that is still training is healthy; one that died or
+    froze is named by the heartbeats, one that is alive but stuck by the progress watchdog
+    (runtime/heartbeat.py), and both end the process, so this wait cannot outlive them. A
+    peer's abort (its refit failed first) or a lost store ends the wait with a RefitError."""
+    t0 = time.monotonic()
+    keys = [ready_key(prefix, refit_no, r) for r in ranks]
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=poll_s))
+            return time.monotonic() - t0
+        except Exception as exc:  # this poll's timeout, or the store host (trainer:0) is gone
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise RefitError(f"lost the job's store (trainer:0) while waiting for the refit group to be ready: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        if abort_key is not None and store.check([abort_key]):
+            raise RefitError(f"refit aborted by a peer: {store.get(abort_key).decode()}")
+
 
 class _Named:
     """Names peers in errors and agrees on a culprit through the store (both transports)."""
@@ -48,9 +78,43 @@ class _Named:
     names: Dict[int, str]
     store: Optional[dist.Store]
     prefix: str
+    refit_no: int = 0  # the group's refits this rank has started (ready() counts them)
+    timeout_s: float = 0.0  # refit.timeout_s of the current refit, for error messages
 
     def name(self, peer: int) -> str:
         return self.names.get(peer, f"refit rank {peer}")
+
+    def ready(self, timeout_s: float) -> float:
+        """Announce this rank ready for the group's next refit and wait (no deadline) until
+        every rank is. The refit's deadline counts from here: a receiver that reached the
+        refit while its senders still train does not spend its deadline on their train step.
+        Returns the seconds waited for the others."""
+        self.refit_no += 1
+        self.timeout_s = timeout_s
+        if self.store is None:  # no store (unit tests of the walk): nothing to agree on
+            return 0.0
+        self._doing(f"ready for refit {self.refit_no}")
+        self._store_set(ready_key(self.prefix, self.refit_no, self.rank), "1")
+        waited = wait_ready(self.store, self.prefix, self.refit_no, range(self.world),
+                            abort_key=f"{self.prefix}/abort")
+        self._doing(f"in refit {self.refit_no}")
+        return waited
+
+    def _doing(self, what: str) -> None:
+        """What this rank is doing in the refit and since when (wall clock), for the error a
+        late peer's receivers raise."""
+        self._store_set(f"{self.prefix}/doing/{self.rank}", json.dumps({"what": what, "since": time.time()}))
+
+    def _what_peer_does(self, peer: int) -> str:
+        raw = self._store_get(f"{self.prefix}/doing/{peer}")
+        if raw is None:
+            return f"{self.name(peer)} has not reached this refit"
+        d = json.loads(raw)
+        return f"{self.name(peer)} was {d['what']} for {max(time.time() - d['since'], 0.0):.1f}s"
+
+    def _deadline_note(self) -> str:
+        all_ready = " from the moment every rank of the refit group was ready" if self.refit_no else ""
+        return f"refit.timeout_s={self.timeout_s:g}{all_ready}" if self.timeout_s else "refit.timeout_s"
 
     def abort(self, reason: str) -> None:
         """Tell the other ranks why this refit stops (the first reason stays)."""
@@ -93,11 +157,14 @@ class _Named:
             peer = found[0] if found else None
         who = self.name(peer) if peer is not None else "a peer"
         culprit = self._follow(peer) if peer is not None else None
+        late = culprit if culprit is not None else peer
+        doing = f"; {self._what_peer_does(late)}" if late is not None else ""
         if culprit is not None and culprit != peer:
-            reason = (f"{self.name(culprit)} did not arrive before the refit deadline ({self.name(self.rank)} "
-                      f"was {what} {who}, which waited on it)")
+            reason = (f"{self.name(culprit)} did not arrive before the refit deadline ({self._deadline_note()}; "
+                      f"{self.name(self.rank)} was {what} {who}, which waited on it{doing})")
         elif timed_out:
-            reason = f"{who} did not arrive before the refit deadline ({self.name(self.rank)} was {what} it)"
+            reason = (f"{who} did not arrive before the refit deadline ({self._deadline_note()}; "
+                      f"{self.name(self.rank)} was {what} it{doing})")
         elif "closed" in text.lower() or "reset" in text.lower():
             reason = f"lost {who} while {what} it (its connection closed: it died or aborted)"
         else:

@@ -117,6 +117,7 @@ class RLLoop:
             if not self.pipeline:  # lock-step: every sample comes from this step's policy
                 check_age_bound(batch, step, cfg.algo.async_rollout.max_trajectory_age_steps)
             self.phase(progress, step, "train")
+            maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, f"train{step}")
             t_train = time.perf_counter()
             train = self.trainer.train(batch)
             train_s = time.perf_counter() - t_train

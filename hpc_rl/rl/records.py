@@ -147,6 +147,11 @@ def summarize(run_dir: Path, extra: Optional[Mapping[str, Any]] = None) -> dict:
         errs = [s["token_mult_prob_error"] for s in steps if s.get("token_mult_prob_error") is not None]
         out["token_mult_prob_error_max"] = max(errs) if errs else None
         out["token_mult_prob_error_mean"] = sum(errs) / len(errs) if errs else None
+        out["token_mult_prob_error_steps"] = len(errs)  # steps with samples of the trainer's own version
+        drift = [s["policy_change_mult_prob_error"] for s in steps if s.get("policy_change_mult_prob_error") is not None]
+        if drift:  # older weights vs the trainer's newer ones: not a mismatch (rl/step_record.py)
+            out["policy_change_mult_prob_error_mean"] = sum(drift) / len(drift)
+            out["policy_change_mult_prob_error_max"] = max(drift)
         rewards = [s.get("reward_mean") for s in steps if s.get("reward_mean") is not None]
         if rewards:
             k = max(1, min(5, len(rewards) // 4))
@@ -182,8 +187,12 @@ def render_summary(s: Mapping[str, Any]) -> str:
     if s.get("reward_first_steps_mean") is not None:
         lines.append(f"  mean reward: first steps {s['reward_first_steps_mean']:.3f}, last steps {s['reward_last_steps_mean']:.3f}")
     if s.get("token_mult_prob_error_max") is not None:
-        lines.append(f"  vLLM vs trainer token_mult_prob_error: mean {s['token_mult_prob_error_mean']:.5f}, "
-                     f"max {s['token_mult_prob_error_max']:.5f}")
+        lines.append(f"  vLLM vs trainer, same weights (token_mult_prob_error): mean {s['token_mult_prob_error_mean']:.5f}, "
+                     f"max {s['token_mult_prob_error_max']:.5f}"
+                     + (f" over {s['token_mult_prob_error_steps']} steps" if s.get("token_mult_prob_error_steps") else ""))
+    if s.get("policy_change_mult_prob_error_max") is not None:
+        lines.append(f"  older weights vs trainer, the policy's change (policy_change_mult_prob_error): "
+                     f"mean {s['policy_change_mult_prob_error_mean']:.5f}, max {s['policy_change_mult_prob_error_max']:.5f}")
     if s.get("slowest_ranks"):  # busy: s per step not waiting for other ranks (observe/timing.py)
         lines.append(f"  {'slowest rank per role':<24}{'rank':<20}{'busy s':>8}{'median':>8}{'step s':>8}")
         for role, w in s["slowest_ranks"].items():

@@ -6,6 +6,7 @@ import time
 from typing import Any, Dict
 
 import numpy as np
+import torch
 
 from hpc_rl.algo import token_mult_prob_error
 
@@ -15,6 +16,24 @@ from .staleness import age_histogram
 from .records import MetricsLog, RolloutStore
 
 
+def version_split_mult_prob_error(b: Batch, current: int) -> Dict[str, Any]:
+    """The engine-vs-trainer agreement, kept apart from the policy's change between weight
+    versions. `token_mult_prob_error` covers only the samples whose every token was
+    generated under the weights the trainer holds now (version `current`): there the two
+    sides run the same weights and any excess over 1 is a mismatch (kernels, precision, a
+    bad refit). Samples generated under older weights (asynchronous rollouts, in-flight
+    refits) compare two policies; their figure is `policy_change_mult_prob_error`. A key is
+    absent when no sample of its kind is in the batch (an asynchronous run's later steps
+    hold only one-step-old samples)."""
+    mask = b.rollouts.response_mask
+    same = torch.tensor([x.version_first == current and x.version_last == current for x in b.rows], dtype=torch.bool)
+    out: Dict[str, Any] = {"current_version_samples": int(same.sum())}
+    for key, rows in (("token_mult_prob_error", same), ("policy_change_mult_prob_error", ~same)):
+        if bool(rows.any()):
+            out[key] = token_mult_prob_error(b.rollouts.generation_logprobs, b.student_logprobs, mask & rows[:, None])
+    return out
+
+
 def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, float], metrics_log: MetricsLog,
                 store: RolloutStore) -> Dict[str, Any]:
     r = b.rollouts
@@ -22,7 +41,7 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
     rec: Dict[str, Any] = {"kind": "step", "step": step, "time": time.time(), "samples": len(b.rows),
                            "response_len_mean": float(np.mean(r.generation_lengths)),
                            "truncated_frac": float(np.mean(r.truncated)),
-                           "token_mult_prob_error": token_mult_prob_error(r.generation_logprobs, b.student_logprobs, mask),
+                           **version_split_mult_prob_error(b, step - 1),
                            "weight_version": min(b.weight_versions), **train, **b.info, "timing": timing}
     # the weights each sample saw (first and last token) and its age under this step's policy
     first, last = [x.version_first for x in b.rows], [x.version_last for x in b.rows]
@@ -59,7 +78,10 @@ def brief(rec: Dict[str, Any]) -> str:
         parts.append(f"KL {rec['reverse_kl'].get('mean', float('nan')):.3f}")
     if "reward_mean" in rec:
         parts.append(f"reward {rec['reward_mean']:.3f}")
-    parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
+    if "token_mult_prob_error" in rec:  # same weights on both sides: the engine-vs-trainer mismatch
+        parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
+    if "policy_change_mult_prob_error" in rec:  # older weights vs the trainer's: includes the policy's change
+        parts.append(f"policy change {rec['policy_change_mult_prob_error']:.4f}")
     parts.append(f"loss {rec.get('loss', float('nan')):.4f}")
     t = rec["timing"]
     if "async" in rec:  # the pipeline: what was ahead, what was dropped, who waited

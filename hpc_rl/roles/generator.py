@@ -49,6 +49,7 @@ class GeneratorRole:
         asy = cfg.algo.async_rollout
         self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
         self.in_flight: Dict[str, Any] = {}  # the in-flight refit of the order being sampled
+        self.refit_prefix, self.refits = "", 0  # the refit group's store namespace; refits received
 
     def join_refit(self) -> None:
         """The driver sends the refit setup; the engine checks the destination layout
@@ -63,6 +64,7 @@ class GeneratorRole:
                             self.engine.params(), self.engine.tensor_parallel, expert_parallel=self.engine.expert_parallel)
         first = engine_first_rank(len(self.routes.trainer), self.index, self.engine.tensor_parallel)
         out = self.engine.join_refit(setup, first, self.ctx.store_addr, self.ctx.store_port)
+        self.refit_prefix = setup.prefix
         # engine g's workers are refit ranks first + their TP rank (generator:g/tp<j>)
         self.log.info("engine %d joined the refit group: %d worker(s) as refit ranks %s", self.index,
                       self.engine.tensor_parallel, out.get("ranks"))
@@ -89,7 +91,7 @@ class GeneratorRole:
             else:  # evaluations, a resume's refit and the end lie outside the training steps
                 self.ctx.set_phase("eval" if order.kind == COLLECT else order.kind, None)
             if order.kind == REFIT:
-                out = self.engine.refit(order.step, self.cfg.refit.timeout_s)
+                out = self._refit(order.step)
                 self.log.debug("refit to version %d: %s", order.step, out)
                 continue
             if order.train:
@@ -101,21 +103,37 @@ class GeneratorRole:
                 maybe_inject(self.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, order.step)
             self._forward(order)
             if order.kind == COLLECT and order.refit_after is not None:  # the order says which weights follow
-                self.ctx.set_phase("refit")
-                out = self.engine.refit(order.refit_after, self.cfg.refit.timeout_s)
-                # blocked on the transport: mostly the trainer's train step before bytes flow
-                self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))
+                self._refit(order.refit_after)
             if order.kind == STOP:
                 return dict(done, stopped_after=order.step)
             if order.kind == END:
                 return done
+
+    def _refit(self, version: int, in_flight: bool = False) -> Dict[str, Any]:
+        """Receive the trainer's weights of step `version`. First wait, in phase wait_refit
+        and with no deadline, until the trainer ranks are ready to send (they may still be
+        training: the heartbeats and the progress watchdog watch them meanwhile); the
+        refit.timeout_s deadline then bounds the transfer alone (refit/transport.py ready)."""
+        from hpc_rl.refit.transport import wait_ready
+
+        self.refits += 1
+        if not in_flight:  # in flight, the driver announced it once the trainer was ready
+            self.ctx.set_phase("wait_refit")
+        wait_ready(self.ctx.store, self.refit_prefix, self.refits, range(len(self.routes.trainer)),
+                   abort_key=f"{self.refit_prefix}/abort")
+        if in_flight:
+            return self.engine.refit_in_flight(version, self.cfg.refit.timeout_s, self.recompute_kv)
+        self.ctx.set_phase("refit")
+        out = self.engine.refit(version, self.cfg.refit.timeout_s)
+        self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))  # blocked on the transport
+        return out
 
     def _poll_in_flight(self) -> None:
         """Between scheduler steps: once the driver announces the refit, load it mid-generation."""
         f = self.in_flight
         if f["landed"] or not self.ctx.store.check([IN_FLIGHT_KEY.format(restart=self.ctx.ident.restart, version=f["version"])]):
             return
-        out = self.engine.refit_in_flight(f["version"], self.cfg.refit.timeout_s, self.recompute_kv)
+        out = self._refit(f["version"], in_flight=True)
         f["landed"] = True
         self.log.debug("in-flight refit to version %d: %s", f["version"], out)
 
@@ -142,9 +160,7 @@ class GeneratorRole:
             mine = [items[k] for k in by_group.get(group, [])]
             exchange.send(Work(order.kind, wanted_t, order.step, order.train, mine), self.routes.teacher_head(group))
         if not self.in_flight["landed"]:  # sampling ended first: the trainer sends it after its train step
-            self.ctx.set_phase("refit")
-            out = self.engine.refit(order.refit_in_flight, self.cfg.refit.timeout_s)
-            self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))
+            self._refit(order.refit_in_flight)
         if order.kind == COLLECT:
             exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s), self.routes.driver)
 

@@ -88,7 +88,10 @@ class TrainerRole:
         to receive). Raises RefitError naming a peer that died or is late."""
         t0 = time.perf_counter()
         self.refit_ep.set_sources(self._refit_sources())
-        self.refit_ep.run(self.cfg.refit.timeout_s)
+        # waiting for the engines to be ready (still sampling, under async rollouts) is a wait
+        # phase, so the progress watchdog names the engine that is stuck, not this rank
+        self.ctx.set_phase("wait_refit")
+        self.refit_ep.run(self.cfg.refit.timeout_s, on_ready=lambda: self.ctx.set_phase("refit"))
         return time.perf_counter() - t0
 
     # --------------------------------------------------------------------------- logprobs

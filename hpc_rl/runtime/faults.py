@@ -6,7 +6,9 @@ a crashed process), hang (the main thread blocks forever while heartbeats go on:
 stuck collective, which only the progress watchdog notices) or stall<N> (the rank sleeps
 N seconds, then goes on: a straggler; the drills use it to land a signal inside a step,
 however fast the machine runs the steps). Without @step it fires at start-up, after rendezvous; with it, at the
-start of that training step; with @save<N>, inside the checkpoint save of step N, after the
+start of that training step; with @train<N> (trainer ranks), inside step N's train phase,
+after its batch is collected and before the forward and backward passes (a train step that
+outlasts the refit deadline); with @save<N>, inside the checkpoint save of step N, after the
 shards are written and before the save is published. It fires on the first run only (restart 0), so a requeued
 job recovers instead of failing again.
 """
@@ -29,7 +31,7 @@ class Injection:
     rank: int
     how: str = "raise"
     stall_s: int = 0  # how == "stall": seconds the rank sleeps
-    step: Union[None, int, str] = None  # a training step, or "save<N>": inside the save of step N
+    step: Union[None, int, str] = None  # a training step, "train<N>" (its train phase) or "save<N>" (its save)
 
 
 def parse_injection(spec: str) -> Injection:
@@ -42,15 +44,15 @@ def parse_injection(spec: str) -> Injection:
         parts.pop()
         how, stall_s = ("stall", int(m.group(1))) if m.group(1) else (m.group(0), 0)
     if len(parts) < 2 or not parts[-1].isdigit():
-        raise ValueError("expected <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step]")
+        raise ValueError("expected <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@train<step>|@save<step>]")
     at: Union[None, int, str] = None
     if step:
         if step.isdigit():
             at = int(step)
-        elif step.startswith("save") and step[4:].isdigit():
+        elif any(step.startswith(p) and step[len(p):].isdigit() for p in ("save", "train")):
             at = step
         else:
-            raise ValueError(f"@{step}: expected a step number or save<step>")
+            raise ValueError(f"@{step}: expected a step number, train<step> or save<step>")
     return Injection(":".join(parts[:-1]), int(parts[-1]), how, stall_s, at)
 
 
