@@ -87,3 +87,27 @@ def test_a_killed_generator_is_named_and_leaves_no_engine_processes_behind(tmp_p
     time.sleep(1.0)
     # vLLM's engine processes outlive a SIGKILLed parent; the rank supervisor kills them
     assert _live_processes_of(run) == []
+
+
+@pytest.mark.slow
+def test_a_trainer_frozen_in_its_train_step_is_named_within_the_heartbeat_timeout(tmp_path):
+    """Issue 31: the refit no longer bounds the wait for a trainer's train step, so a trainer
+    that freezes there (SIGSTOP: its heartbeat thread stops too) must still be found by the
+    heartbeats. trainer:0 hosts the job's store: the others lose it and name it."""
+    import time
+
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = _launch(*SMALL, f"run.dir={run}", "ft.inject_failure=trainer:0:freeze@train2", "ft.heartbeat_interval_s=0.5",
+                   "ft.heartbeat_timeout_s=5", "refit.timeout_s=5")
+    seconds = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "SIGSTOP on trainer:0 at step train2" in (run / "logs" / "trainer.0.out").read_text()
+    verdict = (run / "errors" / "dead_rank.0.txt").read_text()
+    assert verdict.startswith("trainer:0 (the rendezvous store host) stopped answering"), verdict
+    assert "run failed in trainer:0" in proc.stderr, proc.stderr[-3000:]
+    frozen_at = (run / "logs" / "trainer.0.out").stat().st_mtime  # its last line is the freeze
+    named_at = (run / "errors" / "dead_rank.0.txt").stat().st_mtime
+    # the peers' store calls time out after max(ft.heartbeat_timeout_s, 5 s); a beat of slack
+    assert named_at - frozen_at < 5.0 + 1.5, (named_at - frozen_at, verdict)
+    assert seconds < 300

@@ -9,7 +9,10 @@ so clock skew between nodes does not matter. It writes the verdict to `hb/<resta
 and `errors/dead_rank.<restart>.txt`; every rank's thread polls that key and, when set,
 exits the process at once (`os._exit`): gloo and NCCL collectives cannot be interrupted
 from Python, so ending the process is the only way to abort them. Losing the store
-(trainer rank 0 itself died) is treated the same way, naming trainer:0.
+(trainer rank 0 itself died) is treated the same way, naming trainer:0. So is a store that
+stops answering without closing (trainer rank 0 frozen, SIGSTOP or a hung node): a
+TCPStore call then blocks with no timeout, so a second thread watches the beats and
+aborts when none succeeded for `ft.heartbeat_timeout_s`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.detected: Optional[str] = None  # the verdict, when this rank saw one
+        self._last_beat = time.monotonic()  # when this rank's last beat reached the store
 
     def key(self, rank) -> str:
         return f"hb/{self.restart}/{rank}"
@@ -95,9 +99,22 @@ class Heartbeat:
         self._stop.set()
 
     def start(self) -> "Heartbeat":
+        self._last_beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hpc_rl-heartbeat", daemon=True)
         self._thread.start()
+        if self.rank != 0:  # rank 0 hosts the store: its own calls cannot hang on a frozen host
+            threading.Thread(target=self._watch_store, name="hpc_rl-heartbeat-store-watch", daemon=True).start()
         return self
+
+    def _watch_store(self) -> None:
+        """The store host frozen: its socket stays open and a beat blocks for ever. No beat
+        for ft.heartbeat_timeout_s ends this rank, naming trainer:0."""
+        while not self._stop.wait(self.interval_s):
+            silent = time.monotonic() - self._last_beat
+            if silent > self.timeout_s and self.status != "done" and self.detected is None:
+                self._abort(f"trainer:0 (the rendezvous store host) stopped answering for {silent:.1f}s "
+                            f"(ft.heartbeat_timeout_s={self.timeout_s:g}: frozen, or its node hung)", None)
+                return
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,6 +136,7 @@ class Heartbeat:
             try:
                 store.add(self.key(self.rank), 1)
                 store.set(self.key(f"{self.rank}/status"), self.status)
+                self._last_beat = time.monotonic()
                 if store.check([abort_key]):
                     self._abort(store.get(abort_key).decode(), None)
                     return
