@@ -6,7 +6,8 @@ One PNG per panel in <run dir>/plots/ and `overview.png` with every panel on one
                       lines, the start/end evaluations as large markers)
   reward              mean reward of the training batches
   accuracy            accuracy per task (training batches; evaluations as markers)
-  mult_prob_error     token_mult_prob_error: vLLM's vs the trainer's token probabilities
+  mult_prob_error     token_mult_prob_error: vLLM's vs the trainer's token probabilities (same
+                      weights), and policy_change_mult_prob_error (older weights, async)
   phase_time          seconds per phase of a step (generate, score, train, refit,
                       checkpoint when recorded) and the whole step
   refit               seconds per refit
@@ -89,14 +90,19 @@ def draw_accuracy(ax, s: Series) -> bool:
 
 def draw_mult_prob_error(ax, s: Series) -> bool:
     ax.set_title("token_mult_prob_error (vLLM vs trainer)")
-    if "token_mult_prob_error" not in s:
+    if "token_mult_prob_error" not in s and "policy_change_mult_prob_error" not in s:
         return False
-    pts = s["token_mult_prob_error"]
-    _line(ax, pts, label="token_mult_prob_error")
+    pts = s.get("token_mult_prob_error", [])
+    if pts:  # same weights on both sides: the mismatch
+        _line(ax, pts, label="token_mult_prob_error (same weights)")
+    drift = s.get("policy_change_mult_prob_error", [])
+    if drift:  # older weights than the trainer's (async): the policy's change, drawn apart
+        _line(ax, drift, label="policy_change_mult_prob_error (older weights)", linestyle="--")
+        ax.legend(fontsize=7)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     # 1.0 is identical; float noise of 1e-7 must not look like spikes: show at least up to
     # 1.01 (a bf16 engine's usual level) and plain numbers, not an offset
-    top = max(max(v for _, v in pts), 1.0)
+    top = max(max(v for _, v in pts + drift), 1.0)
     ax.set_ylim(0.998, max(1.01, top + 0.2 * (top - 1.0)))
     ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_ylabel("mean exp(|log p_vllm - log p_trainer|)")
