@@ -97,3 +97,12 @@ def local_slurm() -> LocalSlurm:
         state_dir=state_dir,
         slurm_conf=state_dir / "slurm.conf",
     )
+
+
+
+@pytest.fixture(scope="session")
+def tiny_mopd_three_steps(tmp_path_factory):
+    """The suite's shared local tiny_mopd run (tests/shared_runs.py): (run_dir, process)."""
+    from shared_runs import launch_tiny_mopd_three_steps
+
+    return launch_tiny_mopd_three_steps(tmp_path_factory.mktemp("tiny_mopd") / "run")

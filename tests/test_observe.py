@@ -28,15 +28,8 @@ from hpc_rl.observe.loggers import missing_packages, names, open_sink
 from hpc_rl.observe.metrics import flatten, series
 from hpc_rl.rl.records import MetricsLog
 
-SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
-         "data.eval_prompts_per_task=8"]  # as tests/test_rl_loop.py
-EVERY_LOGGER = "logger=[jsonl,tensorboard,wandb,mlflow]"
-# Planted where W&B and MLflow look for credentials; none may reach a file of the run.
-SECRETS = {
-    "WANDB_API_KEY": "hpcrlsecret0wandb0" + "7" * 22,  # W&B keys are 40 characters
-    "MLFLOW_TRACKING_TOKEN": "hpcrlsecret1mlflowtoken",
-    "MLFLOW_TRACKING_PASSWORD": "hpcrlsecret2mlflowpassword",
-}
+from shared_runs import EVERY_LOGGER, LOGGER_SECRETS as SECRETS  # the shared run's
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 Points = Dict[Tuple[str, int], float]
@@ -231,11 +224,9 @@ def test_a_resumed_sink_continues_each_backends_run_and_tensorboard_drops_recomp
 
 
 @pytest.fixture(scope="module")
-def observed_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("observe") / "run"
-    env = dict(os.environ, **SECRETS)
-    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", "run.max_steps=2", f"run.dir={run}",
-                           EVERY_LOGGER, *SMALL], capture_output=True, text=True, timeout=900, env=env)
+def observed_run(tiny_mopd_three_steps):
+    """The suite's shared local tiny_mopd run (tests/shared_runs.py), every logger on."""
+    run, proc = tiny_mopd_three_steps
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run, proc
 
@@ -244,7 +235,7 @@ def observed_run(tmp_path_factory):
 def test_tensorboard_holds_the_metrics_of_metrics_jsonl(observed_run):
     run, _ = observed_run
     want = expected_points(run)
-    assert {("reverse_kl/add", 1), ("eval/accuracy/mul_agent", 2), ("timing/refit_s", 2)} <= set(want)
+    assert {("reverse_kl/add", 1), ("eval/accuracy/mul_agent", 3), ("timing/refit_s", 3)} <= set(want)
     assert_same(tensorboard_points(run / "tensorboard"), want, rel=1e-6)  # TensorBoard stores float32
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hpc_rl.slurm.executor import job_from_run_dir
-from slow_train_step import SLOW_TRAIN_STEP, check_slow_train_step_was_waited_for
+from slow_train_step import check_slow_train_step_was_waited_for
 
 SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
          "data.eval_prompts_per_task=8"]
@@ -51,10 +51,8 @@ def _check_rollouts(run: Path, steps: int, routes: dict) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_mopd_three_steps_locally(tmp_path):
-    run = tmp_path / "run"
-    proc = _launch("+recipe=tiny_mopd", "run.max_steps=3", f"run.dir={run}", "checkpoint.every_steps=2", *SMALL,
-                   *SLOW_TRAIN_STEP)
+def test_tiny_mopd_three_steps_locally(tiny_mopd_three_steps):
+    run, proc = tiny_mopd_three_steps  # tests/shared_runs.py: shared with tests/test_observe.py
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_slow_train_step_was_waited_for(run)
     assert "reverse KL to teacher" in proc.stdout and "accuracy (greedy)" in proc.stdout
