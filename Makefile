@@ -3,7 +3,7 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast lint bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
 
 setup: $(STAMP)
 
@@ -22,13 +22,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m hpc_rl.launch +recipe=tiny_mopd
 
-# Lint (pyflakes rules and the line length, pyproject.toml), then all tests with the local
-# Slurm cluster up (tests marked `slurm` need it).
-test: setup lint cluster-up
+# Lint (pyflakes rules and the line length, pyproject.toml), the documentation site (strict),
+# then all tests with the local Slurm cluster up (tests marked `slurm` need it).
+test: setup lint docs cluster-up
 	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
 
 lint: setup
 	$(PY) -m ruff check .
+
+# The documentation site (mkdocs.yml, docs/) into site/ (git-ignored), strict: a broken link
+# or anchor, or a page left out of the nav, fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 # Tests that need neither Slurm nor a GPU.
 test-fast: setup
