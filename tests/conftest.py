@@ -16,6 +16,13 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Tests that host their own store or exchange messages outside a launch (no launcher made a
+# job key) sign with one made for this session; spawned ranks and vLLM workers inherit it.
+# Launches make their own (hpc_rl/runtime/signed_store.py).
+from hpc_rl.runtime.signed_store import ensure_job_key  # noqa: E402
+
+ensure_job_key()
 LOCAL_SLURM_SH = REPO_ROOT / "launchers" / "local_slurm.sh"
 
 # Cold start is a few seconds; a fresh CI machine may also apt-get install Slurm first.

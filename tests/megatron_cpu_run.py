@@ -44,4 +44,7 @@ def main(ckpt: str, inputs: str, out_dir: str, tp: int, pp: int) -> None:
 
 
 if __name__ == "__main__":
+    from hpc_rl.runtime.signed_store import ensure_job_key
+
+    ensure_job_key()  # standalone: no launcher made the job's secret (store values, messages)
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -156,21 +156,20 @@ def test_an_injected_failure_on_a_follower_fires_at_its_engines_step():
 
     from hpc_rl.roles.generator import STEP_KEY, EngineFollowerRole
 
-    class Store(dict):  # the TCPStore calls the follower makes
-        def check(self, keys):
-            return all(k in self for k in keys)
+    import torch.distributed as dist
 
-        def get(self, key):
-            return self[key].encode()
+    from hpc_rl.runtime.signed_store import SignedStore, new_job_key
 
-    store = Store()
+    store = SignedStore(dist.HashStore(), new_job_key().encode())  # the job's store, signed, in memory
     role = object.__new__(EngineFollowerRole)  # its workers are not needed to watch the steps
     role.seat, role._step = seat_of(1, 2), 0
     role.ctx = SimpleNamespace(store=store, cfg=SimpleNamespace(ft=SimpleNamespace(inject_failure="generator:1@3")),
                                ident=SimpleNamespace(role="generator", role_rank=1, restart=0))
     role._watch()  # the leader has not sampled a step yet
-    store[STEP_KEY.format(restart=0, engine=0)] = "2"
+    store.set(STEP_KEY.format(restart=0, engine=0), "2")
     role._watch()
-    store[STEP_KEY.format(restart=0, engine=0)] = "4"  # the watch missed step 3: it still fires for it
+    store.raw.set(STEP_KEY.format(restart=0, engine=0), "9")  # forged (no MAC): ignored
+    role._watch()
+    store.set(STEP_KEY.format(restart=0, engine=0), "4")  # the watch missed step 3: it still fires for it
     with pytest.raises(RuntimeError, match=r"injected failure on generator:1 at step 3"):
         role._watch()

@@ -41,15 +41,17 @@ def test_a_malformed_value_names_its_variable():
 def test_every_name_is_an_hpc_rl_name_and_unique():
     names = [f.metadata["env"] for f in dataclasses.fields(RankEnv)]
     assert len(set(names)) == len(names) and all(n.startswith("HPC_RL_") for n in names)
-    assert set(env.CONTAINER_ENV) <= set(names)
+    assert set(env.CONTAINER_ENV) <= set(names) | {env.JOB_KEY}  # the secret is no RankEnv field: never printed
+    assert env.JOB_KEY.startswith("HPC_RL_") and env.JOB_KEY not in names
 
 
 def test_the_batch_shell_exports_what_every_rank_reads():
     cfg = load_config(["+recipe=comm_check", "cluster=local_slurm"])
     text = render(cfg, build_plan(cfg), RenderOptions(run_dir="/runs/x"))
     exported = set(re.findall(r"^export (HPC_RL_\w+)=", text, re.M))
-    assert exported == {env.RESTART, env.RUN_DIR, env.JOB_ID, env.PICKLED, env.MASTER_ADDR, env.MASTER_PORT, env.JOB_END}
+    assert exported == {env.RESTART, env.RUN_DIR, env.JOB_ID, env.PICKLED, env.MASTER_ADDR, env.MASTER_PORT, env.JOB_END,
+                        env.JOB_KEY}
     assert f"{env.ROLE}=$role srun" in text  # per role, on the srun line
     # every HPC_RL_ name the script mentions is one RankEnv knows
-    known = {f.metadata["env"] for f in dataclasses.fields(RankEnv)}
+    known = {f.metadata["env"] for f in dataclasses.fields(RankEnv)} | {env.JOB_KEY}
     assert set(re.findall(r"HPC_RL_\w+", text)) <= known

@@ -192,7 +192,9 @@ def test_a_barrier_rank_blames_where_the_chain_of_waits_ends_not_a_live_sender()
     import threading
     from hpc_rl.refit.transport import RefitError, _Named
 
-    store = torch.distributed.HashStore()
+    from hpc_rl.runtime.signed_store import SignedStore, job_key
+
+    store = SignedStore(torch.distributed.HashStore(), job_key())  # the job's store: values signed
     names = {0: "proc:0", 1: "proc:1", 2: "proc:2"}
 
     def side(rank):

@@ -217,15 +217,16 @@ def test_follow_ends_with_the_run(tmp_path):
 
 
 # ------------------------------------------------------------------ the progress watchdog
-class FakeStore:
-    def __init__(self, statuses):
-        self.data = {f"hb/0/{r}/status": s.encode() for r, s in statuses.items()}
+def status_store(statuses):
+    """The job's signed store (in memory) holding each rank's heartbeat status."""
+    import torch.distributed as dist
 
-    def check(self, keys):
-        return all(k in self.data for k in keys)
+    from hpc_rl.runtime.signed_store import SignedStore, new_job_key
 
-    def get(self, key):
-        return self.data[key]
+    store = SignedStore(dist.HashStore(), new_job_key().encode())
+    for r, s in statuses.items():
+        store.set(f"hb/0/{r}/status", s)
+    return store
 
 
 def _verdict(statuses, waited=10.0):
@@ -235,7 +236,7 @@ def _verdict(statuses, waited=10.0):
     hb = Heartbeat("127.0.0.1", 0, 0, len(statuses), 0, lambda r: names[r], Path("."), 1.0, 30.0,
                    progress_timeout_s=5.0)
     hb.status = statuses[0]
-    store, memo = FakeStore(statuses), {}
+    store, memo = status_store(statuses), {}
     assert hb._progress_check(store, 0.0, memo) is None
     return hb._progress_check(store, waited, memo)
 

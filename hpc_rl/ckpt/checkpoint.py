@@ -34,6 +34,8 @@ from typing import Callable, Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hpc_rl.runtime import sealed
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -215,7 +217,7 @@ def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], confi
     # Every rank must write into the same temporary directory: rank 0 draws its name.
     token = [uuid.uuid4().hex if rank == 0 else None]
     if _distributed(group):
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        token[0], _ = sealed.broadcast(token[0], dist.get_global_rank(group, 0), group)  # MAC checked before loads
     tmp = root / f"{_TMP_PREFIX}step_{step}_{token[0]}"
     if rank == 0:
         tmp.mkdir(parents=True)

@@ -25,7 +25,9 @@ from hpc_rl.ft import culprit as scoring
 from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.plan.report import describe
 from hpc_rl.rundir import RunDir
+from hpc_rl.runtime import env as env_names
 from hpc_rl.runtime.env import RankEnv
+from hpc_rl.runtime.signed_store import new_job_key
 
 from .report import print_summary
 
@@ -156,7 +158,9 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
     logs_dir.mkdir(parents=True, exist_ok=True)
     job = RankEnv(run_dir=str(run_dir), job_id=f"local-{os.getpid()}", restart=RESTART, master_addr="127.0.0.1",
                   master_port=free_port())
-    base = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the job's secret (runtime/signed_store.py): a fresh one per launch, in the children's
+    # environment only; never in the run directory, the plan or the logs
+    base = dict(os.environ, PYTHONUNBUFFERED="1", **{env_names.JOB_KEY: new_job_key()})
     ranks: List[Rank] = []
     t0 = time.perf_counter()
 

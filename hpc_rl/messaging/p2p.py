@@ -1,20 +1,21 @@
 """Small Python objects between ranks: orders, sampled rows, scores.
 
-The control-plane data of a step is kilobytes to megabytes: it travels pickled, point to
-point from producer to consumer (`send` / `recv`, global ranks over the world group), or
-as one broadcast inside the group that consumes it (`share`). `routes.py` says who talks
+The control-plane data of a step is kilobytes to megabytes: it travels pickled, sealed with
+the job's MAC and checked before unpickling (runtime/sealed.py), point to point from
+producer to consumer (`send` / `recv`, global ranks over the world group), or as one
+broadcast inside the group that consumes it (`share`). `routes.py` says who talks
 to whom; every message is counted per rank (`COUNTS`) so a run can report its traffic.
 Tensors that scale with the model (refit) have their own groups and transports.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
+
+from hpc_rl.runtime import sealed
 
 COUNTS: Counter = Counter()  # this rank's object messages and their bytes, sent and received
 PER_STEP: Dict[int, Dict[str, int]] = {}  # training step -> this rank's traffic from that step's start
@@ -37,21 +38,18 @@ def traffic() -> Dict[str, Any]:
 
 def send(obj: Any, dst: int) -> None:
     """`obj` to global rank `dst`, which calls `recv(src=<this rank>)`."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    dist.send(torch.tensor([len(data)], dtype=torch.long), dst)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+    n = sealed.send(obj, dst)
     COUNTS["sent_messages"] += 1
-    COUNTS["sent_bytes"] += len(data)
+    COUNTS["sent_bytes"] += n
 
 
 def recv(src: int) -> Any:
-    size = torch.zeros(1, dtype=torch.long)
-    dist.recv(size, src)
-    buf = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(buf, src)
+    """The next object from `src`; MessageRejected (before unpickling) if it does not carry
+    the job's MAC for that route."""
+    obj, n = sealed.recv(src)
     COUNTS["received_messages"] += 1
-    COUNTS["received_bytes"] += int(size)
-    return pickle.loads(buf.numpy().tobytes())
+    COUNTS["received_bytes"] += n
+    return obj
 
 
 def share(obj: Any, src: int, group: Optional[dist.ProcessGroup]) -> Any:
@@ -60,29 +58,20 @@ def share(obj: Any, src: int, group: Optional[dist.ProcessGroup]) -> Any:
     nothing to share."""
     if group is None or dist.get_world_size(group) == 1:
         return obj
-    size = torch.zeros(1, dtype=torch.long)
-    data = None
+    out, n = sealed.broadcast(obj, src, group)
     if dist.get_rank() == src:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size[0] = len(data)
-    dist.broadcast(size, src, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src, group=group)
-    if data is not None:
         receivers = dist.get_world_size(group) - 1
         COUNTS["sent_messages"] += receivers
-        COUNTS["sent_bytes"] += receivers * len(data)
+        COUNTS["sent_bytes"] += receivers * n
         return obj
     COUNTS["received_messages"] += 1
-    COUNTS["received_bytes"] += int(size)
-    return pickle.loads(buf.numpy().tobytes())
+    COUNTS["received_bytes"] += n
+    return out
 
 
 def gather_all(obj: Any, group: dist.ProcessGroup) -> List[Any]:
     """Every member's `obj`, in group-rank order, on every member."""
-    out: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return sealed.all_gather(obj, group)
 
 
 def strided(n: int, part: int, parts: int) -> List[int]:

@@ -12,6 +12,12 @@ them. It is the second path, slower than gloo on this machine.
 A failure names the peer (by role and rank, e.g. "generator:0") and, where one side gave
 up first, says so through an abort key in the store so the other side reports the cause
 rather than a bare "connection closed".
+
+Every store value a transport writes or reads goes through the job's SignedStore
+(runtime/signed_store.py): NIXL descriptors and CUDA IPC handles are unpickled only after
+their MAC verified, so a value a stranger wrote under a refit key is never loaded. The
+backends' own rendezvous (gloo/NCCL through `PrefixStore(prefix, store.raw)`) is C++ and
+unsigned: docs/security.md.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from hpc_rl.runtime.signed_store import SignedStore, signed
 
 
 class RefitError(RuntimeError):
@@ -49,7 +57,7 @@ def ready_key(prefix: str, refit_no: int, rank: int) -> str:
     return f"{prefix}/ready/{refit_no}/{rank}"
 
 
-def wait_ready(store: dist.Store, prefix: str, refit_no: int, ranks: Sequence[int], poll_s: float = 2.0,
+def wait_ready(store: SignedStore, prefix: str, refit_no: int, ranks: Sequence[int], poll_s: float = 2.0,
                abort_key: Optional[str] = None) -> float:
     """Wait, with no deadline, until every rank in `ranks` is ready for refit `refit_no`;
     returns the seconds waited. A peer that is still training is healthy; one that died or
@@ -66,8 +74,9 @@ def wait_ready(store: dist.Store, prefix: str, refit_no: int, ranks: Sequence[in
             if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                 raise RefitError(f"lost the job's store (trainer:0) while waiting for the refit group to be ready: "
                                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
-        if abort_key is not None and store.check([abort_key]):
-            raise RefitError(f"refit aborted by a peer: {store.get(abort_key).decode()}")
+        reason = store.peek(abort_key) if abort_key is not None else None
+        if reason is not None:
+            raise RefitError(f"refit aborted by a peer: {reason.decode()}")
 
 
 class _Named:
@@ -76,7 +85,7 @@ class _Named:
     rank: int
     world: int
     names: Dict[int, str]
-    store: Optional[dist.Store]
+    store: Optional[SignedStore]
     prefix: str
     refit_no: int = 0  # the group's refits this rank has started (ready() counts them)
     timeout_s: float = 0.0  # refit.timeout_s of the current refit, for error messages
@@ -198,7 +207,8 @@ class _Named:
         if self.store is None:
             return None
         try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
+            value = self.store.peek(key)
+            return value.decode() if value is not None else None
         except Exception:
             return None
 
@@ -209,19 +219,21 @@ class TorchP2P(_Named):
     def __init__(self, backend, rank: int, world: int, names: Dict[int, str], store: Optional[dist.Store] = None,
                  prefix: str = "refit"):
         self.backend, self.rank, self.world, self.names = backend, rank, world, names
-        self.store, self.prefix = store, prefix
+        self.store, self.prefix = (signed(store) if store is not None else None), prefix
         self.cuda = False
 
     @classmethod
     def gloo(cls, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
              timeout_s: float) -> "TorchP2P":
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timedelta(seconds=timeout_s))
+        store = signed(store)  # gloo's own keys go to the raw store (C++): docs/security.md
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store.raw), rank, world, timedelta(seconds=timeout_s))
         return cls(pg, rank, world, names, store, prefix)
 
     @classmethod
     def nccl(cls, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
              timeout_s: float) -> "TorchP2P":
-        pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world,
+        store = signed(store)
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store.raw), rank, world,
                                    dist.ProcessGroupNCCL.Options())
         out = cls(pg, rank, world, names, store, prefix)
         out.cuda = True
@@ -273,7 +285,7 @@ class NixlTransport(_Named):
     def __init__(self, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str]):
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-        self.store, self.prefix, self.rank, self.world, self.names = store, prefix, rank, world, names
+        self.store, self.prefix, self.rank, self.world, self.names = signed(store), prefix, rank, world, names
         self.agent = nixl_agent(f"{prefix}/{rank}", nixl_agent_config(backends=["UCX"]))
         self._remote: Dict[int, Tuple[str, int]] = {}  # peer -> (agent name, metadata version loaded)
         self._seq: Dict[tuple, int] = {}
@@ -334,7 +346,7 @@ class NixlTransport(_Named):
 
             key, buf = handle[1], handle[2]
             self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            version, descs = pickle.loads(self.store.get(key))
+            version, descs = pickle.loads(self.store.get(key))  # verified: the MAC is checked before loads
             agent = self._load_peer(peer, version, deadline)
             self._register(buf)
             xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(buf), self.agent.deserialize_descs(descs),
@@ -367,7 +379,7 @@ class CudaIpcTransport(_Named):
     sender may reuse the buffer. Unverified: written for GPUs, none was lent yet."""
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str]):
-        self.store, self.prefix, self.rank, self.world, self.names = store, prefix, rank, world, names
+        self.store, self.prefix, self.rank, self.world, self.names = signed(store), prefix, rank, world, names
         self._seq: Dict[tuple, int] = {}
         self.cuda = True
 
@@ -397,7 +409,7 @@ class CudaIpcTransport(_Named):
             left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
             if kind == "recv":
                 self.store.wait([key], left)
-                rebuild, args = pickle.loads(self.store.get(key))
+                rebuild, args = pickle.loads(self.store.get(key))  # verified: the MAC is checked before loads
                 buf.copy_(rebuild(*args))
                 torch.cuda.current_stream().synchronize()
                 self.store.set(key + "/done", "1")

@@ -184,9 +184,10 @@ class EngineFollowerRole:
         """ft.inject_failure on this rank fires at the steps its engine's leader samples."""
         ident = self.ctx.ident
         key = STEP_KEY.format(restart=ident.restart, engine=self.seat.engine)
-        if not self.ctx.cfg.ft.inject_failure or not self.ctx.store.check([key]):
+        published = self.ctx.store.peek(key) if self.ctx.cfg.ft.inject_failure else None
+        if published is None:
             return
-        step = int(self.ctx.store.get(key).decode())
+        step = int(published.decode())
         for s in range(self._step + 1, step + 1):
             maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, s)
         self._step = max(self._step, step)

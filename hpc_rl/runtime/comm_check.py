@@ -14,6 +14,8 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
+from . import sealed
+
 
 def run(ctx) -> Dict[str, Any]:
     ident, groups = ctx.ident, ctx.groups
@@ -66,7 +68,6 @@ def _ep_group_check(ctx) -> Dict[str, Any]:
         ranks = list(range(start, start + size))  # the trainer's global ranks start at 0
         pg = dist.new_group(ranks, backend="gloo")
         if ident.global_rank in ranks:
-            where = [None] * size
-            dist.all_gather_object(where, {"node": ident.node, "topology_addr": os.environ.get("SLURM_TOPOLOGY_ADDR")}, group=pg)
+            where = sealed.all_gather({"node": ident.node, "topology_addr": os.environ.get("SLURM_TOPOLOGY_ADDR")}, pg)
             mine = {"ranks": ranks, "members": where}
     return mine

@@ -20,6 +20,10 @@ Set by launchers for every rank:
   HPC_RL_MASTER_PORT   its port (else derived: runtime/identity.py rendezvous_port)
   HPC_RL_PICKLED       1: run the executor's pickled submission (slurm/rank_entry.py)
   HPC_RL_JOB_END       the job's end, epoch seconds (batch shell; empty when unknown)
+  HPC_RL_JOB_KEY       the job's secret (runtime/signed_store.py): made at launch, or by the
+                       batch shell of a hand-submitted script; it MACs every store value and
+                       every pickled message. Not a RankEnv field: it is never printed,
+                       logged or written into the run directory.
 Set by the rank's own processes:
   HPC_RL_T_START       when the rank's interpreter started (its supervisor's, if any)
   HPC_RL_SUPERVISED    1 in the child a rank supervisor started (runtime/supervise.py)
@@ -48,6 +52,7 @@ MASTER_ADDR = "HPC_RL_MASTER_ADDR"
 MASTER_PORT = "HPC_RL_MASTER_PORT"
 PICKLED = "HPC_RL_PICKLED"
 JOB_END = "HPC_RL_JOB_END"
+JOB_KEY = "HPC_RL_JOB_KEY"
 T_START = "HPC_RL_T_START"
 SUPERVISED = "HPC_RL_SUPERVISED"
 PLACED_RANK = "HPC_RL_PLACED_RANK"
@@ -67,7 +72,7 @@ SLURM_EQUIVALENTS: Dict[str, Tuple[str, ...]] = {
 
 # What the batch shell exports for every rank; pyxis is told to pass exactly these into a
 # container (--container-env) so the image's own environment cannot shadow them.
-CONTAINER_ENV = (ROLE, RUN_DIR, JOB_ID, RESTART, MASTER_ADDR, MASTER_PORT, PICKLED)
+CONTAINER_ENV = (ROLE, RUN_DIR, JOB_ID, RESTART, MASTER_ADDR, MASTER_PORT, PICKLED, JOB_KEY)
 
 
 def _flag(text: str) -> bool:

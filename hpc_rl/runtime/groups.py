@@ -49,9 +49,11 @@ def backend_for(plan: JobPlan, roles: List[str]) -> str:
     return "nccl" if on_gpus and torch.cuda.is_available() else "gloo"
 
 
-def build_groups(store: dist.Store, ident: RankIdentity, plan: JobPlan, timeout_s: float) -> ProcessGroups:
+def build_groups(store, ident: RankIdentity, plan: JobPlan, timeout_s: float) -> ProcessGroups:
+    """`store`: the job's SignedStore; gloo's C++ rendezvous needs the raw c10d store under
+    it (its keys are unsigned: docs/security.md)."""
     # The world group is the control channel: gloo, so CPU-only roles (env) can join it.
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pg/{ident.restart}", store), rank=ident.global_rank,
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pg/{ident.restart}", store.raw), rank=ident.global_rank,
                             world_size=ident.world_size, timeout=timedelta(seconds=timeout_s))
     me = ident.global_rank
     members: Dict[str, List[int]] = {}

@@ -31,6 +31,8 @@ from hpc_rl.ft.culprit import STOPPED_BY_PEER_EXIT as ABORT_EXIT_CODE  # a peer 
 from hpc_rl.observe.timing import is_waiting, parse_status
 from hpc_rl.rundir import RunDir
 
+from .signed_store import SignedStore
+
 
 def dead_rank_report(run_dir: Path, restart: int) -> Path:
     return RunDir(run_dir).dead_rank(restart)
@@ -58,7 +60,7 @@ class Heartbeat:
     def set_status(self, status: str) -> None:
         self.status = status  # read by the thread at its next beat
 
-    def census(self, store, wait_s: Optional[float] = None) -> list:
+    def census(self, store: SignedStore, wait_s: Optional[float] = None) -> list:
         """Ranks whose heartbeat stopped: counters that did not move over two beats. Called
         when this rank's program failed, to tell a dead peer from the peers that merely lost
         it ('connection closed' everywhere). Returns [(rank, status)]."""
@@ -70,7 +72,7 @@ class Heartbeat:
         for r in others:
             if store.add(self.key(r), 0) == before[r]:
                 skey = self.key(f"{r}/status")
-                status = store.get(skey).decode() if store.check([skey]) else "?"
+                status = (store.peek(skey) or b"?").decode()
                 if status != "done":
                     dead.append((r, status))
         return dead
@@ -123,8 +125,9 @@ class Heartbeat:
 
     def _run(self) -> None:
         try:
-            store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=max(self.timeout_s, 5)),
-                                  wait_for_workers=False)
+            store = SignedStore.from_env(dist.TCPStore(self.addr, self.port, is_master=False,
+                                                       timeout=timedelta(seconds=max(self.timeout_s, 5)),
+                                                       wait_for_workers=False))
         except Exception as exc:  # cannot even connect: the host is gone
             self._abort(f"trainer:0 (the rendezvous store host) unreachable: {exc}", None)
             return
@@ -137,8 +140,9 @@ class Heartbeat:
                 store.add(self.key(self.rank), 1)
                 store.set(self.key(f"{self.rank}/status"), self.status)
                 self._last_beat = time.monotonic()
-                if store.check([abort_key]):
-                    self._abort(store.get(abort_key).decode(), None)
+                verdict = store.peek(abort_key)  # a forged verdict does not verify: ignored, counted
+                if verdict is not None:
+                    self._abort(verdict.decode(), None)
                     return
                 if self.rank == 0 and self.progress_timeout_s > 0:
                     verdict = self._progress_check(store, now, progress)
@@ -155,7 +159,7 @@ class Heartbeat:
                         if prev is None or count != prev[0]:
                             last_seen[r] = (count, now)
                         elif now - prev[1] > self.timeout_s:
-                            status = store.get(self.key(f"{r}/status")).decode() if store.check([self.key(f"{r}/status")]) else "?"
+                            status = (store.peek(self.key(f"{r}/status")) or b"?").decode()
                             if status == "done":  # finished its program: silence is expected
                                 continue
                             verdict = (f"{self.describe(r)} missed heartbeats for {now - prev[1]:.1f}s "
@@ -181,7 +185,7 @@ class Heartbeat:
         statuses = {}
         for r in range(self.world):
             k = self.key(f"{r}/status")
-            statuses[r] = self.status if r == self.rank else (store.get(k).decode() if store.check([k]) else "start")
+            statuses[r] = self.status if r == self.rank else (store.peek(k) or b"start").decode()
         parsed = {r: parse_status(v) for r, v in statuses.items()}
         in_steps = all(step is not None or is_waiting(phase) for step, phase in parsed.values())
         if not in_steps or all(step is None for step, _ in parsed.values()):

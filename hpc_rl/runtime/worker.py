@@ -124,8 +124,10 @@ def run_rank(run_dir: str, environ: Optional[dict] = None) -> Any:
     from .groups import build_groups, configure_device  # imports torch: most of a rank's start-up
     from .placement import compute_placement, node_facts, placed_identity, write_report
     from .rendezvous import connect_store, rendezvous
+    from .signed_store import job_key
 
     t_imported = time.time()
+    secret = job_key(environ)  # no secret, no rank: fail before touching the network
 
     run_path = Path(run_dir)
     rd = RunDir(run_path)
@@ -140,7 +142,7 @@ def run_rank(run_dir: str, environ: Optional[dict] = None) -> Any:
     timeout = float(cfg.run.rendezvous_timeout_s)
     log.info("starting %s on %s; rendezvous at %s:%d (restart %d)", ident, device, addr, port, ident.restart)
     t0 = time.perf_counter()
-    store = connect_store(ident, plan, addr, port, timeout)
+    store = connect_store(ident, plan, addr, port, timeout, secret)
     announced = rendezvous(store, ident, plan, timeout, facts=node_facts())
     placement, mapping = compute_placement(cfg, plan, announced, run_path, ident.restart)
     ident = placed_identity(ident, mapping, plan)

@@ -13,7 +13,9 @@ reads them).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import uuid
 import time as _time
 import typing as tp
 from pathlib import Path
@@ -24,7 +26,9 @@ from submitit.core import utils as submitit_utils
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.rundir import RunDir
+from hpc_rl.runtime import env
 from hpc_rl.runtime.identity import role_offsets
+from hpc_rl.runtime.signed_store import new_job_key
 from hpc_rl.runtime.results import submitit_folder
 
 from .sbatch import RenderOptions, job_name, render
@@ -295,6 +299,24 @@ class HetSlurmExecutor(submitit_core.PicklingExecutor):
 
     def _make_submission_command(self, submission_file_path: Path) -> tp.List[str]:
         return ["sbatch", "--parsable", str(submission_file_path)]
+
+    def _submit_command(self, command: str) -> HetJob:
+        """submitit's own (core.PicklingExecutor._submit_command), with one change: sbatch
+        runs with the job's secret in its environment (HPC_RL_JOB_KEY; sbatch's default
+        --export=ALL hands it to the batch shell and srun to every task). It is in no
+        file: not the script, not the submission pickle (a function and its arguments)."""
+        tmp_uuid = uuid.uuid4().hex
+        path = submitit_utils.JobPaths.get_first_id_independent_folder(self.folder) / f".submission_file_{tmp_uuid}.sh"
+        with path.open("w") as f:
+            f.write(self._make_submission_file_text(command, tmp_uuid))
+        sbatch_env = dict(os.environ, **{env.JOB_KEY: new_job_key()})
+        output = submitit_utils.CommandFunction(self._make_submission_command(path), verbose=False, env=sbatch_env)()
+        job_id = self._get_job_id_from_submission_command(output)
+        job = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))
+        job.paths.move_temporary_file(path, "submission_file", keep_as_symlink=True)
+        self._write_job_id(job.job_id, tmp_uuid)
+        self._set_job_permissions(job.paths.folder)
+        return job
 
     @staticmethod
     def _get_job_id_from_submission_command(string: tp.Union[bytes, str]) -> str:

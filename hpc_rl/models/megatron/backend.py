@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hpc_rl.runtime import sealed
 from hpc_rl.models.backend import BackendSpec, LossFn, Shards, parallel_sizes
 
 from . import config_map
@@ -219,8 +220,7 @@ class MegatronBackend:
         if self.p.pp > 1:
             box = [got if self.last else None]
             last = self.ranks[next(g for g in mesh_groups(self.p)["pp"] if self.me in g)[-1]]
-            dist.broadcast_object_list(box, src=last, group=self.pgs.pp)
-            got = box[0]
+            got, _ = sealed.broadcast(box[0], last, self.pgs.pp)  # MAC checked before unpickling
         return got
 
     def _chunks(self, input_ids: torch.Tensor, mbs: int):
@@ -317,7 +317,7 @@ class MegatronBackend:
         box = [got[0]["tok"] if self.last else None]
         if self.p.pp > 1:
             last = self.ranks[next(g for g in mesh_groups(self.p)["pp"] if self.me in g)[-1]]
-            dist.broadcast_object_list(box, src=last, group=self.pgs.pp)
+            box[0], _ = sealed.broadcast(box[0], last, self.pgs.pp)
         return box[0]
 
     # -------------------------------------------------------------------- weights out
@@ -346,8 +346,7 @@ class MegatronBackend:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every HF weight, whole, on CPU, on every rank (a gather of all ranks' boxes)."""
         mine = {k: (s, t.cpu()) for k, (s, t) in self.local_shards().items()}
-        everyone: List[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, mine, group=self.pgs_world())
+        everyone: List[Any] = sealed.all_gather(mine, self.pgs_world())
         out = {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in self.hf_specs.items()}
         for boxes in everyone:
             for n, (s, t) in boxes.items():

@@ -146,4 +146,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from hpc_rl.runtime.signed_store import ensure_job_key
+
+    ensure_job_key()  # standalone: no launcher made the job's secret (store values, messages)
     sys.exit(main())

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hpc_rl.runtime import sealed
+
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 
@@ -38,9 +40,7 @@ def gather_source_layout(boxes: Dict[str, Box], specs: Dict[str, Tuple[Tuple[int
     from hpc_rl.refit.layout import Layout, Piece
 
     n = dist.get_world_size(group) if group is not None else 1
-    every: List[Dict[str, Box]] = [boxes] if n == 1 else [None] * n
-    if n > 1:
-        dist.all_gather_object(every, boxes, group=group)
+    every: List[Dict[str, Box]] = [boxes] if n == 1 else sealed.all_gather(boxes, group)  # MAC checked before loads
     lay = Layout()
     for r in range(n):
         unknown = sorted(set(every[r]) - set(specs))
