@@ -32,8 +32,10 @@ class RunSection(Traced):
     name: Optional[str] = None  # defaults to the recipe's name
     root_dir: str = "runs"  # run directories are created under this
     dir: Optional[str] = None  # an explicit run directory (resume, tests); else <root_dir>/<name>-<time>
+    # Seeds the synthetic tasks, the prompt order, the eval prompts, the vLLM engines (seed + engine
+    # index) and every request's sampling seed (a function of seed, step and position).
     seed: int = 1234
-    max_steps: int = 100
+    max_steps: int = 100  # RL steps of the whole run (a resume continues up to it); a checkpoint is due at the last
     # What every rank runs after rendezvous: the RL loop, or a wiring check of the job's
     # process groups (rendezvous, per-role all-reduce, trainer -> generator/teacher broadcast).
     program: Literal["rl", "comm_check"] = "rl"
@@ -44,21 +46,25 @@ class RunSection(Traced):
 class ClusterConfig(Traced):
     """The machines: GPUs per node and how NVLink domains and switches group nodes."""
 
-    name: str = "local"
+    name: str = "local"  # a label: the plan, plan.json and validation messages name the cluster by it
     gpus_per_node: int = 0  # 0: CPU processes (this laptop-sized machine, the local Slurm)
+    # Cores per node, split evenly between the node's tasks (sbatch --cpus-per-task; the torch threads
+    # of a CPU rank; a CPU vLLM engine's workers per task).
     cpus_per_node: int = 2
-    # Nodes joined by one NVLink domain (an NVL72 rack: 18; an H100 node: 1) and how many
-    # of them a job may use (NVL72 keeps 2 spares per rack, so segments are at most 16).
-    nvlink_domain_nodes: int = 1
+    nvlink_domain_nodes: int = 1  # nodes joined by one NVLink domain (an NVL72 rack: 18; an H100 node: 1)
+    # Nodes of one NVLink domain a job may use (NVL72 keeps 2 spares per rack, so 16): with block
+    # topology every segment and every EP span must fit in them.
     usable_nodes_per_domain: int = 1
     # Nodes under one leaf switch on tree fabrics; bounds --switches segments. None: no limit.
     leaf_switch_nodes: Optional[int] = None
     # How Slurm knows the fabric: block (NVL72 racks, Slurm >= 23.11), tree (switches), none.
     topology: Literal["block", "tree", "none"] = "none"
+    # The cluster's Slurm version: with block topology, --segment is requested from 24.05 on; before
+    # that the script only notes it and placement is checked after allocation.
     slurm_version: str = "22.05"
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
+    partition: Optional[str] = None  # sbatch --partition of every component; None: the default partition
+    account: Optional[str] = None  # sbatch --account of every component; None: not passed
+    qos: Optional[str] = None  # sbatch --qos of every component; None: not passed
     max_nodes: Optional[int] = None  # nodes the cluster (or partition) has; None: unknown
     exclusive: bool = True  # jobs take whole nodes (GPU clusters); the local clusters share theirs
     # Where NVLink domains are (see hpc_rl/plan/topology.py for the order of sources):
@@ -73,17 +79,21 @@ class SlurmOptions(Traced):
     """Options of the heterogeneous sbatch script that are not the cluster's facts."""
 
     job_name: Optional[str] = None  # None: hpc_rl-<recipe>
-    time: str = "04:00:00"
-    reservation: Optional[str] = None
+    time: str = "04:00:00"  # sbatch --time of every component (Slurm's formats, e.g. HH:MM:SS or D-HH:MM)
+    reservation: Optional[str] = None  # sbatch --reservation of every component; None: not passed
     dependency: Optional[str] = None  # e.g. afterok:1234
-    requeue: bool = True
+    requeue: bool = True  # sbatch --requeue: requeue after a failure or the time limit; false: never
     signal_grace_s: int = 300  # USR1 to the batch shell this long before the time limit
     switches_wait: str = "00:10:00"  # tree topology: how long to wait for a one-switch placement
-    python: str = "python3"  # interpreter on the compute nodes (or inside the container)
+    # Interpreter of the rendered sbatch script on the compute nodes; launcher=slurm without a
+    # container uses the interpreter that launched it instead.
+    python: str = "python3"
 
 
 @dataclass
 class LauncherConfig(Traced):
+    # dry_run: print the plan, start nothing; local: every rank a process on this machine;
+    # slurm: submit one heterogeneous sbatch job (one component per role).
     name: Literal["slurm", "local", "dry_run"] = "dry_run"
     plan_out: Optional[str] = None  # also write plan.json here
     wait: bool = False  # slurm: block with a live status display instead of returning
@@ -96,10 +106,14 @@ class LauncherConfig(Traced):
 class ModelConfig(Traced):
     """The student model. `path` is what ranks load; validation checks `num_experts` against
     expert parallel sizes; support.py refuses an `architecture` this version cannot load;
-    `name` and `params_b` are labels (support.FACTS)."""
+    `name` and `params_b` are labels the run's summary.json records."""
 
-    name: str = "tiny-llama"
-    path: Optional[str] = None  # HF checkpoint directory or hub name
+    name: str = "tiny-llama"  # a label, recorded in summary.json
+    # A Hugging Face checkpoint directory (config.json, safetensors, tokenizer), or tiny:<name> /
+    # tiny_moe:<name> for a small test model built on this machine.
+    path: Optional[str] = None
+    # The checkpoint's Hugging Face model_type (llama, qwen2, qwen3, qwen3_moe): validation refuses
+    # one the trainer backend cannot load; the fsdp2 backend's expert parallel needs qwen3_moe.
     architecture: str = "llama"
     params_b: Optional[float] = None  # total parameters, billions
     num_experts: Optional[int] = None  # routed experts per MoE layer; None for dense models
@@ -109,10 +123,12 @@ class ModelConfig(Traced):
 class ParallelConfig(Traced):
     """Parallel sizes of one role. tp*cp*pp*dp must equal the role's GPUs (or CPU ranks)."""
 
-    tp: int = 1
-    cp: int = 1
+    tp: int = 1  # tensor parallel: ranks that split each layer's weights (generator: the engine's TP workers)
+    cp: int = 1  # context parallel: ranks that split each sequence's tokens
+    # Expert parallel: ranks that split the routed experts of each MoE layer (generator: 1, or tp
+    # for vLLM's expert parallel over the engine's TP workers).
     ep: int = 1
-    pp: int = 1
+    pp: int = 1  # pipeline parallel: ranks that split the layers into stages
     dp: Optional[int] = None  # None: derived as GPUs / (tp*cp*pp)
     # Expert tensor parallel. Fine-grained MoE trains with 1 (Megatron's own default would be
     # tp); the expert mesh etp*ep*edp*pp must tile the role's GPUs.
@@ -123,68 +139,77 @@ class ParallelConfig(Traced):
 class RoleResources(Traced):
     """Fields every role shares: where it runs and how it is split."""
 
-    nodes: int = 1
+    nodes: int = 1  # nodes of this role: its component of the Slurm het job (local: nodes * tasks_per_node processes)
     gpus_per_node: Optional[int] = None  # None: the cluster's gpus_per_node
     tasks_per_node: Optional[int] = None  # None: one task per GPU (or 1 on CPU clusters)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Nodes that must share one NVLink domain / leaf switch. None: derived from the layout
     # (trainer: the EP span, generator: one vLLM instance, teacher: the whole group).
     segment_size: Optional[int] = None
+    # Compute precision of the role's model: bf16, fp16 or fp32 (trainer: master weights stay fp32;
+    # generator: vLLM's dtype, also the dtype the refit sends).
     precision: Precision = "bf16"
 
 
 @dataclass
 class OptimizerConfig(Traced):
-    name: Literal["adamw", "adam"] = "adamw"
-    lr: float = 1e-6
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    name: Literal["adamw", "adam"] = "adamw"  # adamw: decoupled weight decay; adam: decay added to the gradient
+    lr: float = 1e-6  # learning rate after warmup (constant from then on)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's (beta1, beta2)
+    eps: float = 1e-8  # Adam's epsilon
+    weight_decay: float = 0.0  # weight decay coefficient
+    grad_clip: float = 1.0  # gradients are clipped to this total L2 norm before each optimizer step
 
 
 @dataclass
 class SchedulerConfig(Traced):
-    name: Literal["constant_with_warmup"] = "constant_with_warmup"
-    warmup_steps: int = 0
+    name: Literal["constant_with_warmup"] = "constant_with_warmup"  # the only schedule: linear warmup, then constant
+    warmup_steps: int = 0  # optimizer steps of the warmup; 0: optimizer.lr from the first step
     warmup_start_lr: float = 0.0  # linear ramp from this to optimizer.lr over warmup_steps
 
 
 @dataclass
 class TrainerConfig(RoleResources):
+    # What trains the student and runs the teachers: fsdp2 (torch FSDP2, CPU or GPU) or megatron
+    # (megatron-core, GPU clusters only).
     backend: Literal["fsdp2", "megatron"] = "fsdp2"
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # with tp > 1: shard the tokens between blocks (the norms) over the TP ranks
+    # Longest sequence (prompt + response tokens) the trainer takes; a longer sample fails the step.
+    # generator.max_model_len defaults to it.
     max_seq_len: int = 1024
-    global_batch_size: int = 8
-    micro_batch_size: int = 1
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    global_batch_size: int = 8  # sequences per optimizer step: each RL step trains in minibatches of this many
+    micro_batch_size: int = 1  # sequences per forward/backward on one data-parallel rank (gradients accumulate)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # the student's optimizer
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # the learning rate per optimizer step
 
 
 @dataclass
 class SamplingConfig(Traced):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 64
+    temperature: float = 1.0  # vLLM's sampling temperature (evaluation samples greedily: 0)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this total probability; 1: off
+    top_k: int = -1  # sample among the k likeliest tokens; -1: off
+    max_tokens: int = 64  # most tokens per response (also the teachers' greedy answers when their accuracy is measured)
     # vLLM's min_tokens: EOS and stop strings are ignored until this many tokens are sampled
     min_tokens: int = 0
-    stop: List[str] = field(default_factory=list)
+    stop: List[str] = field(default_factory=list)  # strings that end a response (vLLM's stop)
 
 
 @dataclass
 class GeneratorConfig(RoleResources):
-    backend: Literal["vllm"] = "vllm"
+    backend: Literal["vllm"] = "vllm"  # the inference engine (vLLM is the only one)
+    # vLLM's gpu_memory_utilization: the share of GPU memory an engine takes (weights, KV cache);
+    # CPU engines take at most 0.2 of NUMA node 0's memory.
     gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # vLLM's max_num_seqs: sequences one engine runs at once
     max_model_len: Optional[int] = None  # None: trainer.max_seq_len
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how training rollouts are sampled
 
 
 @dataclass
 class TeacherConfig(RoleResources):
     """An inference-only teacher. Aliases naming the same checkpoint share one rank group."""
 
+    # The teacher's Hugging Face checkpoint directory, or tiny:<name> / tiny_moe:<name> (as model.path).
     checkpoint: str = ""
 
 
@@ -219,32 +244,39 @@ class OPDConfig(Traced):
 
 @dataclass
 class GRPOConfig(Traced):
-    leave_one_out: bool = False
-    normalize_std: bool = True
+    leave_one_out: bool = False  # baseline: the mean of the group's other samples (RLOO) instead of the group mean
+    normalize_std: bool = True  # divide by the group's reward std, which puts easy and hard prompts on one scale
 
 
 @dataclass
 class LossConfig(Traced):
+    # ppo: -min(ratio * A, clip(ratio) * A), the ratio taken against the student's log-probs before
+    # this step's updates; reinforce: -A * log-prob (no ratio, no clip).
     kind: Literal["ppo", "reinforce"] = "ppo"
-    ratio_clip_low: float = 0.2
-    ratio_clip_high: float = 0.2
+    ratio_clip_low: float = 0.2  # ppo: the ratio is clipped below at 1 - ratio_clip_low
+    ratio_clip_high: float = 0.2  # ppo: the ratio is clipped above at 1 + ratio_clip_high (clip-higher when larger)
 
 
 @dataclass
 class MismatchConfig(Traced):
     """Correction for generation (vLLM) vs trainer logprob mismatch."""
 
+    # Each token's loss weight p_trainer / p_vLLM: tis clamps it to [min, max]; icepop zeroes it
+    # outside [min, max]; none: weight 1.
     kind: Literal["none", "tis", "icepop"] = "tis"
-    min: float = 0.2
-    max: float = 5.0
+    min: float = 0.2  # lower bound of the weight (tis, icepop)
+    max: float = 5.0  # upper bound of the weight (tis, icepop)
     # mask a sequence whose mean multiplicative probability error exceeds this; None: off
     seq_logprob_error_threshold: Optional[float] = None
 
 
 @dataclass
 class AsyncConfig(Traced):
-    enabled: bool = False
+    enabled: bool = False  # the generators sample step k+1 while the trainer trains step k
+    # A prompt group with a sample older than this many policy versions is dropped from the batch.
     max_trajectory_age_steps: int = 1
+    # Send step k's weights right after its train step, loaded by the engines between scheduler
+    # steps while they sample step k+1 (needs enabled).
     in_flight_weight_updates: bool = False
     # After an in-flight refit, drop the running requests' KV cache so their prompts and
     # tokens so far are prefilled again under the new weights (false: keep the cache built
@@ -254,15 +286,17 @@ class AsyncConfig(Traced):
 
 @dataclass
 class AlgoConfig(Traced):
+    # mopd: per-token advantage log p_teacher - log p_student from each sample's routed teacher;
+    # grpo: group-relative advantages of the env rewards.
     name: Literal["mopd", "grpo"] = "mopd"
-    prompts_per_step: int = 8
-    generations_per_prompt: int = 1
-    ref_kl_coef: float = 0.0
-    opd: OPDConfig = field(default_factory=OPDConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    prompts_per_step: int = 8  # prompts drawn per RL step
+    generations_per_prompt: int = 1  # samples per prompt, consecutive (grpo's group size)
+    ref_kl_coef: float = 0.0  # coefficient of a KL penalty against a reference model; this version has none (0 only)
+    opd: OPDConfig = field(default_factory=OPDConfig)  # MOPD's per-token advantages (algo.name=mopd)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # GRPO's group-relative advantages (algo.name=grpo)
+    loss: LossConfig = field(default_factory=LossConfig)  # the policy-gradient loss of both algorithms
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
-    async_rollout: AsyncConfig = field(default_factory=AsyncConfig)
+    async_rollout: AsyncConfig = field(default_factory=AsyncConfig)  # overlap sampling with training
 
 
 @dataclass
@@ -270,11 +304,13 @@ class DataConfig(Traced):
     """The prompts. A JSONL file (rows as hpc_rl/data/dataset.py describes), or synthetic
     tasks generated into the run directory when `path` is unset."""
 
-    path: Optional[str] = None
+    path: Optional[str] = None  # a JSONL file of prompts; None: generate data.tasks into <run dir>/data/train.jsonl
+    # Synthetic task generators (path unset): addition, multiplication, reverse, addition_1digit,
+    # multiplication_1digit.
     tasks: List[str] = field(default_factory=lambda: ["addition_1digit", "multiplication_1digit"])
     samples_per_task: int = 512  # generated rows per task (path unset)
     skip_invalid: bool = False  # skip (and count) malformed rows instead of failing at launch
-    shuffle: bool = True
+    shuffle: bool = True  # a new prompt order every epoch (seeded by run.seed); false: the dataset's order
     # Held-out prompts per task scored at the start and the end of the run (greedy accuracy,
     # reverse KL to the routed teacher); 0 turns the evaluation off.
     eval_prompts_per_task: int = 32
@@ -282,8 +318,8 @@ class DataConfig(Traced):
 
 @dataclass
 class CheckpointConfig(Traced):
-    every_steps: int = 10
-    keep_last: int = 2
+    every_steps: int = 10  # save every N RL steps (and at run.max_steps)
+    keep_last: int = 2  # after each save the newest N complete checkpoints (and keep_every's) stay; others are deleted
     keep_every: Optional[int] = None  # also keep every N-th step's checkpoint
     dir: Optional[str] = None  # None: <run dir>/checkpoints
     # Resume from the newest complete checkpoint under dir; false starts fresh, ignoring them.
@@ -294,8 +330,8 @@ class CheckpointConfig(Traced):
 @dataclass
 class ContainerConfig(Traced):
     image: Optional[str] = None  # enroot .sqsh path (must start with / or ./) or registry image
-    mounts: List[str] = field(default_factory=list)
-    workdir: Optional[str] = None
+    mounts: List[str] = field(default_factory=list)  # extra SRC:DST[:FLAGS] mounts; the run directory is always mounted
+    workdir: Optional[str] = None  # working directory in the container; None: the run directory
 
 
 @dataclass
@@ -307,9 +343,9 @@ class FaultConfig(Traced):
     # kill (SIGKILL itself), hang (blocks, beating), stall<N> (sleeps N s: a straggler), each
     # optionally at a step: "generator:0:kill@3". See hpc_rl/runtime/faults.py.
     inject_failure: Optional[str] = None
-    # Dead ranks: every rank beats through the rendezvous store; one silent this long is dead
-    # and every other rank exits (0 turns heartbeats off).
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 1.0  # seconds between a rank's beats through the rendezvous store
+    # Dead ranks: a rank whose beats stop for this many seconds is dead and every other rank exits
+    # (0 turns heartbeats off).
     heartbeat_timeout_s: float = 30.0
     # Stuck ranks (alive, beating, but making no progress, e.g. a hung collective): when no
     # rank's phase changes for this long, the ranks furthest behind are named and the job
@@ -327,7 +363,7 @@ class RefitConfig(Traced):
     # A refit that has not finished by then aborts on every side and names the peer that
     # did not arrive: the job fails (and requeues) instead of hanging.
     timeout_s: float = 120.0
-    bucket_mb: int = 64  # bytes in flight per bucket of the plan (two buckets overlap)
+    bucket_mb: int = 64  # MiB per bucket of the plan (a bucket's small slices travel packed, one message per peer)
     transport: Literal["torch", "nixl"] = "torch"  # torch: NCCL on GPUs, gloo on CPUs
 
 
@@ -341,13 +377,13 @@ class LoggingConfig(Traced):
     never reach config.yaml, rendered scripts or logs."""
 
     tensorboard_dir: Optional[str] = None  # this run's event files; None: <run dir>/tensorboard
-    wandb_project: str = "hpc_rl"
+    wandb_project: str = "hpc_rl"  # the W&B project the run logs to
     wandb_entity: Optional[str] = None  # None: the API key's default entity
     # offline: W&B writes <run dir>/wandb/ and `wandb sync` uploads it later (compute nodes
     # often cannot reach the internet); online: streams to the W&B server while it runs
     wandb_mode: Literal["offline", "online"] = "offline"
     mlflow_tracking_uri: Optional[str] = None  # None: a file store in <run dir>/mlruns
-    mlflow_experiment: str = "hpc_rl"
+    mlflow_experiment: str = "hpc_rl"  # the MLflow experiment the run logs to (created when missing)
 
 
 @dataclass
@@ -355,17 +391,17 @@ class RunConfig(Traced):
     recipe: Optional[str] = None  # set from the +recipe= choice
     run: RunSection = field(default_factory=RunSection)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # how the run starts
     model: ModelConfig = field(default_factory=ModelConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the student's ranks; trainer rank 0 drives the loop
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the vLLM engines that sample rollouts
     teachers: Dict[str, TeacherConfig] = field(default_factory=dict)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)  # the RL algorithm and its loss
     data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    container: ContainerConfig = field(default_factory=ContainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saves, retention, resume
+    container: ContainerConfig = field(default_factory=ContainerConfig)  # the container every srun runs in (Slurm)
     ft: FaultConfig = field(default_factory=FaultConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     # Where trainer rank 0 sends metrics: jsonl (metrics.jsonl, always on), tensorboard,
