@@ -5,9 +5,9 @@
 wait takes the time left before the refit's deadline. Gloo honours a wait timeout and
 then closes the pair, so the peer's pending operations fail as well: a refit never hangs.
 
-`NixlTransport` moves registered buffers with NIXL agents over UCX (DRAM here, VRAM on
-GPUs): receivers publish their buffers' descriptors in the store, senders WRITE into
-them. It is the second path, slower than gloo on this machine.
+`NixlTransport` and `CudaIpcTransport` (store_transports.py) signal through the store:
+NIXL agents over UCX (DRAM here, VRAM on GPUs; the second path, slower than gloo on this
+machine) and CUDA IPC handles between peers on one GPU.
 
 A failure names the peer (by role and rank, e.g. "generator:0") and, where one side gave
 up first, says so through an abort key in the store so the other side reports the cause
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -274,188 +274,14 @@ class TorchP2P(_Named):
         if int(t.item()) != self.world:
             raise RefitError(f"refit barrier counted {int(t.item())} of {self.world} ranks")
 
-class NixlTransport(_Named):
-    """NIXL agents (UCX) writing registered buffers: DRAM here, VRAM on GPUs.
-
-    A receive registers its buffer (once: refit buffers live across refits) and publishes
-    its descriptors under a key both sides derive from the message's sequence number on
-    that pair; the sender WRITEs into it with that key as the notification, and the
-    receiver polls for the notification. Agents exchange metadata through the store."""
-
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str]):
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-        self.store, self.prefix, self.rank, self.world, self.names = signed(store), prefix, rank, world, names
-        self.agent = nixl_agent(f"{prefix}/{rank}", nixl_agent_config(backends=["UCX"]))
-        self._remote: Dict[int, Tuple[str, int]] = {}  # peer -> (agent name, metadata version loaded)
-        self._seq: Dict[tuple, int] = {}
-        self._regs: Dict[tuple, object] = {}
-        self._md_version = 0  # bumped by each new registration; peers reload our metadata then
-        self._published = -1
-        self.cuda = False
-
-    def _load_peer(self, peer: int, version: int, deadline: float) -> str:
-        """The peer's agent, with metadata at least as new as `version` (its registrations)."""
-        name, loaded = self._remote.get(peer, (None, -1))
-        if loaded < version:
-            key = f"{self.prefix}/nixl/md/{peer}/{version}"
-            self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            if name is not None:
-                self.agent.remove_remote_agent(name)
-            name = self.agent.add_remote_agent(self.store.get(key))
-            name = name.decode() if isinstance(name, bytes) else name
-            self._remote[peer] = (name, version)
-        return name
-
-    def _register(self, buf: torch.Tensor) -> None:
-        key = (buf.data_ptr(), buf.numel() * buf.element_size())
-        if key not in self._regs:
-            self._regs[key] = self.agent.register_memory(buf)
-            self._md_version += 1
-
-    def _key(self, src: int, dst: int, tag: int) -> str:
-        n = self._seq.get((src, dst, tag), 0)
-        self._seq[(src, dst, tag)] = n + 1
-        return f"{self.prefix}/nixl/{src}-{dst}/{tag}/{n}"
-
-    def recv(self, buf: torch.Tensor, peer: int, tag: int):
-        import pickle
-
-        key = self._key(peer, self.rank, tag)
-        self._register(buf)
-        if self._published != self._md_version:
-            self.store.set(f"{self.prefix}/nixl/md/{self.rank}/{self._md_version}", self.agent.get_agent_metadata())
-            self._published = self._md_version
-        descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(buf))
-        self.store.set(key, pickle.dumps((self._md_version, descs)))
-        return ("recv", key)
-
-    def send(self, buf: torch.Tensor, peer: int, tag: int):
-        return ("send", self._key(self.rank, peer, tag), buf)
-
-    def wait(self, handle, peer: int, deadline: float, what: str) -> None:
-        try:
-            if handle[0] == "recv":
-                note = handle[1].encode()
-                while not self.agent.check_remote_xfer_done(f"{self.prefix}/{peer}", note):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("deadline passed")
-                    time.sleep(0.0001)
-                return
-            import pickle
-
-            key, buf = handle[1], handle[2]
-            self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            version, descs = pickle.loads(self.store.get(key))  # verified: the MAC is checked before loads
-            agent = self._load_peer(peer, version, deadline)
-            self._register(buf)
-            xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(buf), self.agent.deserialize_descs(descs),
-                                              agent, key.encode())
-            try:
-                state = self.agent.transfer(xfer)
-                while state != "DONE":
-                    if state == "ERR":
-                        raise RuntimeError("NIXL transfer failed (connection closed)")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("deadline passed")
-                    state = self.agent.check_xfer_state(xfer)
-            finally:
-                self.agent.release_xfer_handle(xfer)
-        except Exception as exc:
-            if "Disconnect" in type(exc).__name__ or "DISCONNECT" in str(exc):
-                exc = RuntimeError(f"connection closed ({type(exc).__name__})")
-            if isinstance(exc, dist.DistStoreError) or "Timeout" in type(exc).__name__:
-                exc = TimeoutError("deadline passed")
-            self._fail(peer, what, exc)
-
-    def barrier(self, deadline: float) -> None:
-        _store_barrier(self, deadline)
-
-
-class CudaIpcTransport(_Named):
-    """Peers on the same GPU (a colocated trainer and vLLM engine), where NCCL refuses two
-    ranks of one communicator: the sender publishes a CUDA IPC handle of its buffer in the
-    store, the receiver maps it and copies device to device, then acknowledges so the
-    sender may reuse the buffer. Unverified: written for GPUs, none was lent yet."""
-
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str]):
-        self.store, self.prefix, self.rank, self.world, self.names = signed(store), prefix, rank, world, names
-        self._seq: Dict[tuple, int] = {}
-        self.cuda = True
-
-    def _key(self, src: int, dst: int, tag: int) -> str:
-        n = self._seq.get((src, dst, tag), 0)
-        self._seq[(src, dst, tag)] = n + 1
-        return f"{self.prefix}/ipc/{src}-{dst}/{tag}/{n}"
-
-    def send(self, buf: torch.Tensor, peer: int, tag: int):
-        import pickle
-
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        key = self._key(self.rank, peer, tag)
-        torch.cuda.current_stream().synchronize()  # the bytes are in place before the peer reads them
-        self.store.set(key, pickle.dumps(reduce_tensor(buf)))
-        return ("send", key, buf)
-
-    def recv(self, buf: torch.Tensor, peer: int, tag: int):
-        return ("recv", self._key(peer, self.rank, tag), buf)
-
-    def wait(self, handle, peer: int, deadline: float, what: str) -> None:
-        import pickle
-
-        kind, key, buf = handle
-        try:
-            left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-            if kind == "recv":
-                self.store.wait([key], left)
-                rebuild, args = pickle.loads(self.store.get(key))  # verified: the MAC is checked before loads
-                buf.copy_(rebuild(*args))
-                torch.cuda.current_stream().synchronize()
-                self.store.set(key + "/done", "1")
-            else:
-                self.store.wait([key + "/done"], left)
-        except Exception as exc:
-            if isinstance(exc, dist.DistStoreError) or "Timeout" in type(exc).__name__ or "timed out" in str(exc).lower():
-                exc = TimeoutError("deadline passed")
-            self._fail(peer, what, exc)
-
-    def barrier(self, deadline: float) -> None:
-        _store_barrier(self, deadline)
-
-
-def _store_barrier(t: "_Named", deadline: float) -> None:
-    """A barrier through the store (transports without collectives), naming who is missing.
-
-    Rank 0 leaves last: every other rank's final store call is its departure count, and
-    rank 0 returns only once all have departed. Rank 0 hosts the job's store (trainer rank
-    0 in a run), and a host that left first would close the store under a rank still
-    polling it ("Connection was likely closed", seen in a test where rank 0 then exits)."""
-    t.epoch = getattr(t, "epoch", 0) + 1
-    key = f"{t.prefix}/store_barrier/{t.epoch}"
-    t._store_set(f"{t.prefix}/arrived/{t.epoch}/{t.rank}", "1")
-
-    def wait_count(counter: str, what: str) -> None:
-        while int(t.store.add(counter, 0)) < t.world:
-            if time.monotonic() > deadline:
-                t._fail(None, what, TimeoutError("deadline passed"), missing=t._not_arrived)
-            time.sleep(0.0005)
-
-    t.store.add(key, 1)
-    wait_count(key, "in the end-of-refit barrier, waiting for")
-    t.store.add(f"{key}/departed", 1)
-    if t.rank == 0:
-        wait_count(f"{key}/departed", "in the end-of-refit barrier, waiting for the departure of")
-
-
 def make_transport(kind: str, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
                    timeout_s: float, cuda: bool = False):
     """The refit group's transport: "torch" (NCCL on GPUs, gloo on CPUs), "nixl", or
     "cuda_ipc" (every peer on the same GPU)."""
-    if kind == "nixl":
-        return NixlTransport(store, prefix, rank, world, names)
-    if kind == "cuda_ipc":
-        return CudaIpcTransport(store, prefix, rank, world, names)
+    if kind in ("nixl", "cuda_ipc"):  # transports that signal through the store (store_transports.py)
+        from .store_transports import CudaIpcTransport, NixlTransport
+
+        return (NixlTransport if kind == "nixl" else CudaIpcTransport)(store, prefix, rank, world, names)
     if kind != "torch":
         raise ValueError(f"refit.transport={kind!r}: use torch, nixl or cuda_ipc")
     return (TorchP2P.nccl if cuda else TorchP2P.gloo)(store, prefix, rank, world, names, timeout_s)
