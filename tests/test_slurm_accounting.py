@@ -64,6 +64,37 @@ def test_a_record_of_an_older_job_with_the_same_id_is_not_this_job():
     assert states.fitting(rec, states.JobIdentity("1"))[0] is rec and not states.JobIdentity("1").checkable
 
 
+# `sacct -D -j 1` here after a cluster restart (abridged): an old 3-component job 1 with a
+# 4th component, then this run's 2-component job 1. Without -D sacct printed the newest row per
+# component, the old `1+2` with the new `1+0`, `1+1`: one record of two jobs that fit no identity.
+SACCT_ID_REUSED = """\
+1+0|hpc_rl-tiny_mopd|COMPLETED|0:0|2026-12-02T02:25:16|2026-12-02T02:26:48|None
+1+0.2|python|COMPLETED|0:0|2026-12-02T02:25:17|2026-12-02T02:26:44|
+1+1|hpc_rl-tiny_mopd|COMPLETED|0:0|2026-12-02T02:25:16|2026-12-02T02:26:48|None
+1+1.0|python|COMPLETED|0:0|2026-12-02T02:25:17|2026-12-02T02:26:47|
+1+2|hpc_rl-tiny_mopd|COMPLETED|0:0|2026-12-02T02:25:16|2026-12-02T02:26:48|None
+1+2.1|python|COMPLETED|0:0|2026-12-02T02:25:17|2026-12-02T02:26:44|
+1+0|hpc_rl-comm_check|COMPLETED|0:0|2026-12-02T05:29:44|2026-12-02T05:29:55|None
+1+0.1|python|COMPLETED|0:0|2026-12-02T05:29:45|2026-12-02T05:29:54|
+1+1|hpc_rl-comm_check|FAILED|1:0|2026-12-02T05:29:44|2026-12-02T05:29:55|None
+1+1.0|python|FAILED|1:0|2026-12-02T05:29:45|2026-12-02T05:29:54|
+"""
+
+
+def test_a_reused_id_reads_as_one_record_per_job_never_a_mix():
+    old, new = states.parse_sacct_instances(SACCT_ID_REUSED)["1"]
+    assert set(old.components) == {"1+0", "1+1", "1+2"} and set(new.components) == {"1+0", "1+1"}
+    assert new.steps["1+1"][0].state == "FAILED" and old.steps["1+1"][0].state == "COMPLETED"  # steps stay with their job
+    this = states.JobIdentity("1", "hpc_rl-comm_check", "2026-12-02T05:29:44")
+    assert states.fitting_of([old, new], this)[0] is new
+    assert states.parse_sacct(SACCT_ID_REUSED)["1"] is not None  # the newest, for readers without an identity
+    before = states.JobIdentity("1", "hpc_rl-tiny_mopd", "2026-12-02T02:25:16")
+    assert states.fitting_of([old, new], before)[0] is old  # a requeue's newer record would fit too
+    later = states.JobIdentity("1", "hpc_rl-comm_check", "2026-12-02T06:00:00")
+    rec, why = states.fitting_of([old, new], later)
+    assert rec is None and "before this run's job" in why
+
+
 class _SacctOutageOnce(HetInfoWatcher):
     """Fakes one transient sacct failure (slurmdbd briefly unreachable) and canned answers:
     stopping the shared cluster's slurmdbd inside a test is not an option here."""
@@ -74,7 +105,7 @@ class _SacctOutageOnce(HetInfoWatcher):
 
     def _sacct(self, ids):
         text = self.sacct_answers.pop(0)
-        return None if text is None else states.parse_sacct(text)
+        return None if text is None else states.parse_sacct_instances(text)
 
     def _squeue(self, ids):
         return states.parse_squeue(self.squeue_answers.pop(0))
@@ -133,11 +164,27 @@ def _submit(run_dir, *overrides):
     return submit(cfg, plan, prepare_run_dir(cfg, plan))
 
 
+def _wait_for_accounting(job, deadline_s=120.0):
+    """slurmdbd records a job's end after squeue shows it (a loaded CI machine saw follow() end on
+    squeue's COMPLETED before sacct listed the job): wait for the record, then check it is used."""
+    t0 = time.monotonic()
+    while True:
+        job.component_states(force=True)
+        if job.source == "sacct" or time.monotonic() - t0 > deadline_s:
+            break
+        time.sleep(0.5)
+    if job.source != "sacct":  # say what sacct itself prints now, so a failure here can be read
+        proc = subprocess.run(["sacct", "-D", "-n", "-P", "-o", states.SACCT_FIELDS, "-j", job.job_id],
+                              capture_output=True, text=True, timeout=60)
+        raise AssertionError(f"sacct did not list job {job.job_id} ({job.identity}) within {deadline_s:.0f}s of its end; "
+                             f"source {job.source!r}; sacct rc {proc.returncode}: {proc.stdout[-2000:]} {proc.stderr[-500:]}")
+
+
 @pytest.mark.slurm
 def test_sacct_passing_het_job_and_reattach_proves_it_is_the_same_job(accounting, tmp_path):
     job = _submit(tmp_path / "run")
     assert follow(job, poll_s=0.5, timeout_s=180, echo=lambda line: None) == "COMPLETED"
-    assert job.source == "sacct"
+    _wait_for_accounting(job)
     assert job.component_states(force=True) == dict.fromkeys(ROLES, "COMPLETED")
     meta = json.loads((tmp_path / "run" / "job.json").read_text())
     assert meta["job_name"] == "hpc_rl-comm_check" and states.slurm_epoch(meta["submit_time"]) is not None
@@ -150,7 +197,7 @@ def test_sacct_passing_het_job_and_reattach_proves_it_is_the_same_job(accounting
 def test_sacct_one_failing_role_reads_failed_and_the_others_cancelled(accounting, tmp_path):
     job = _submit(tmp_path / "run", "ft.inject_failure=generator:0")
     assert follow(job, poll_s=0.5, timeout_s=120, echo=lambda line: None) == "FAILED"
-    assert job.source == "sacct"
+    _wait_for_accounting(job)
     comps = job.component_states(force=True)
     # Slurm cancels the other steps once the generator's fails, but a rank that sees its peer gone
     # first (the teacher's exchange with the dead generator) may end FAILED on its own: the culprit

@@ -91,7 +91,7 @@ def slurm_states(job_ids: List[str]) -> Dict[str, tuple]:
         by_squeue = {}
     out = {}
     for jid in ids:
-        rec = by_sacct.get(jid) or by_squeue.get(jid)
+        rec = (by_sacct.get(jid) or [None])[-1] or by_squeue.get(jid)  # sacct's newest record of the id
         if rec is not None and rec.components:
             out[jid] = (aggregate_state(rec.states().values()), rec.reason())
     return out

@@ -33,17 +33,18 @@ from hpc_rl.runtime.results import submitit_folder
 
 from .sbatch import RenderOptions, job_name, render
 from .states import (SACCT_FIELDS, SQUEUE_FORMAT, TERMINAL_BAD, JobIdentity, JobRecord, Row, aggregate_state, culprit, fitting,
-                     parse_sacct, parse_squeue, role_state)
+                     fitting_of, parse_sacct_instances, parse_squeue, role_state)
 
 __all__ = ["TERMINAL_BAD", "HetInfoWatcher", "HetJob", "HetSlurmExecutor", "job_from_run_dir", "aggregate_state",
            "sacct_records", "squeue_records"]
 
-def sacct_records(ids: tp.List[str]) -> tp.Optional[tp.Dict[str, JobRecord]]:
-    """Job id -> sacct's record (components and steps); None when accounting does not
-    answer (disabled, slurmdbd down)."""
-    cmd = ["sacct", "-n", "-P", "-o", SACCT_FIELDS, "-j", ",".join(ids)]
+def sacct_records(ids: tp.List[str]) -> tp.Optional[tp.Dict[str, tp.List[JobRecord]]]:
+    """Job id -> sacct's records of that id, oldest first (components and steps; -D: every job
+    that had the id, see parse_sacct_instances); None when accounting does not answer
+    (disabled, slurmdbd down)."""
+    cmd = ["sacct", "-D", "-n", "-P", "-o", SACCT_FIELDS, "-j", ",".join(ids)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    return parse_sacct(proc.stdout) if proc.returncode == 0 else None
+    return parse_sacct_instances(proc.stdout) if proc.returncode == 0 else None
 
 
 def squeue_records(ids: tp.List[str]) -> tp.Dict[str, JobRecord]:
@@ -126,7 +127,7 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
             by_sacct = None
         sacct_recs, notes = {}, {}
         for jid in ids:
-            rec, why = fitting((by_sacct or {}).get(jid), self.identities.get(jid))
+            rec, why = fitting_of((by_sacct or {}).get(jid), self.identities.get(jid))
             if rec is not None:
                 sacct_recs[jid] = rec
             elif why:
@@ -163,7 +164,11 @@ class HetInfoWatcher(submitit_core.InfoWatcher):
         self.source = ",".join(sorted(sources))
         self._last_status_check = _time.time()
         for jid in ids:
-            if self.is_done(jid, mode="cache"):
+            # Done for good once accounting holds the whole job (or there is no accounting, or
+            # only job_exit.json knows it): slurmdbd records a job's end after squeue shows it,
+            # and its steps name the culprit, so a job squeue alone ended is asked again.
+            settled = by_sacct is None or self._complete(jid, sacct_recs.get(jid)) or jid not in squeue_recs
+            if settled and self.is_done(jid, mode="cache"):
                 self._finished.add(jid)
 
 

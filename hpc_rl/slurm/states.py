@@ -137,22 +137,34 @@ def component_of(job_id: str) -> tp.Tuple[str, str]:
     return comp, step
 
 
-def parse_sacct(text: str) -> tp.Dict[str, JobRecord]:
-    """`sacct -n -P -o JobID,JobName,State,ExitCode,Submit,End` (steps included) -> leader -> record."""
-    out: tp.Dict[str, JobRecord] = {}
+def parse_sacct_instances(text: str) -> tp.Dict[str, tp.List[JobRecord]]:
+    """`sacct -D -n -P -o JobID,JobName,State,ExitCode,Submit,End` (steps included) -> leader ->
+    its records, oldest first: one per submission of that id (older jobs that had the id, and
+    each requeue of this one). Without -D sacct keeps the newest row *per component*, which
+    mixes jobs: a new 4-component job 1 read with an old 5-component job 1's `1+4`. The
+    components of one het job share their submit time; a step belongs to the component row
+    printed last before it."""
+    out: tp.Dict[str, tp.Dict[str, JobRecord]] = {}
+    current: tp.Dict[str, JobRecord] = {}  # component id -> the record its latest row went to
     for line in text.splitlines():
         parts = line.split("|")
         if len(parts) < 6 or not parts[0]:
             continue
         jid, name, state, exit_code, submit, end = parts[:6]
         comp, step = component_of(jid)
-        rec = out.setdefault(leader_of(comp), JobRecord())
         row = Row(jid, state, name, submit, exit_code, end, parts[6] if len(parts) > 6 else "")
         if not step:
+            rec = out.setdefault(leader_of(comp), {}).setdefault(submit, JobRecord())
             rec.components[comp] = row
-        elif step.isdigit():  # a role's srun; .batch and .extern are the shell's, not a role's
-            rec.steps.setdefault(comp, []).append(row)
-    return out
+            current[comp] = rec
+        elif step.isdigit() and comp in current:  # a role's srun; .batch and .extern are the shell's
+            current[comp].steps.setdefault(comp, []).append(row)
+    return {leader: [recs[k] for k in sorted(recs, key=lambda t: slurm_epoch(t) or 0.0)] for leader, recs in out.items()}
+
+
+def parse_sacct(text: str) -> tp.Dict[str, JobRecord]:
+    """leader -> its newest record (what a job id means now)."""
+    return {leader: recs[-1] for leader, recs in parse_sacct_instances(text).items()}
 
 
 def parse_squeue(text: str) -> tp.Dict[str, JobRecord]:
@@ -181,6 +193,19 @@ def fitting(rec: tp.Optional[JobRecord], identity: tp.Optional[JobIdentity]) -> 
         if why:
             return None, why
     return rec, ""
+
+
+def fitting_of(recs: tp.Optional[tp.Sequence[JobRecord]],
+               identity: tp.Optional[JobIdentity]) -> tp.Tuple[tp.Optional[JobRecord], str]:
+    """The newest of one id's records that is this job's (a requeue's record is), else (None,
+    why the newest is another job's)."""
+    why = ""
+    for rec in reversed(list(recs or ())):
+        found, reason = fitting(rec, identity)
+        if found is not None:
+            return found, ""
+        why = why or reason
+    return None, why
 
 
 def last_step(rows: tp.Sequence[Row]) -> tp.Optional[Row]:
