@@ -53,6 +53,9 @@ class InferenceEngine(Protocol):
         """`refit` while requests are mid-generation (called from `between_steps`): running
         requests keep going afterwards, on their KV cache or (`recompute_kv`) a recomputed one."""
 
+    def close(self) -> None:
+        """End the engine once the run is over for this rank (no request is running)."""
+
 
 @dataclass(frozen=True)
 class EngineSpec:

@@ -73,7 +73,9 @@ class GeneratorRole:
         """Orders until the run ends or stops; returns what this rank did. When the engine
         stops because a worker in a follower task died, the error names that worker."""
         try:
-            return self._serve()
+            done = self._serve()
+            self.engine.close()  # the run is over for this engine: do not wait on vLLM's shutdown
+            return done
         except Exception as exc:
             report = dead_worker_report(self.ctx.store, self.ctx.ident.restart, self.index) if self.seat.tasks > 1 else None
             if report is None:

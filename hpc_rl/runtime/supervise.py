@@ -40,6 +40,34 @@ def group_members(pgid: int) -> List[int]:
     return out
 
 
+def descendants(pid: int) -> List[int]:
+    """PIDs of `pid`'s children, their children and so on (Linux /proc), deepest last."""
+    children: dict = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        out.extend(kids)
+        todo.extend(kids)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it (children first read, then all killed)."""
+    for p in [*descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def supervise(module: str, args: List[str]) -> int:
     # Clean up only a group of our own: lead one (srun tasks and local-launcher ranks already
     # do; a rank started from a shell or a test would otherwise share, and kill, its caller's).
