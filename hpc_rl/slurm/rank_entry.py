@@ -55,7 +55,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from hpc_rl.runtime.supervise import is_child, supervise
+    from hpc_rl.runtime.supervise import exit_now, is_child, supervise
 
     # the rank itself runs in a child; this process cleans up after it (supervise.py)
-    sys.exit(main() if is_child() else supervise("hpc_rl.slurm.rank_entry", sys.argv[1:]))
+    if is_child():
+        exit_now(main())
+    sys.exit(supervise("hpc_rl.slurm.rank_entry", sys.argv[1:]))
