@@ -138,7 +138,7 @@ UNSUPPORTED = [
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
-    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2 and qwen3_moe checkpoints only"),
+    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2, qwen3_moe and nemotron_h checkpoints only"),
     (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "only for an MoE student"),

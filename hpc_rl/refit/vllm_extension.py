@@ -99,11 +99,20 @@ class RefitWorkerExtension:
 
     def _hpc_rl_loader_weights(self, pieces):
         """(HF name, tensor) as vLLM's loaders take them: whole tensors as they are, a
-        tensor-parallel slice wrapped so that the loader's own narrow finds it."""
-        from hpc_rl.refit.presharded import as_loader_weight
+        tensor-parallel slice wrapped so that the loader's own narrow finds it. A tensor this
+        worker keeps as several boxes (Nemotron-H's Mamba in_proj and conv1d: a box per part)
+        goes to the loader once all its boxes arrived."""
+        from hpc_rl.refit.presharded import as_loader_weight_of
 
-        for _rank, name, start, tensor in pieces:
-            yield name, as_loader_weight(tensor, self._hpc_rl_shapes[name], start, name)
+        want = {(rank, name): len(boxes) for rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
+                for name, boxes in tensors.items()}
+        waiting = {}
+        for rank, name, start, tensor in pieces:
+            boxes = waiting.setdefault((rank, name), [])
+            boxes.append((start, tensor))
+            if len(boxes) == want.get((rank, name), 1):
+                del waiting[(rank, name)]
+                yield name, as_loader_weight_of(boxes, self._hpc_rl_shapes[name], name)
 
     def _hpc_rl_load(self, weights) -> Dict[str, float]:
         """Load (HF name, tensor) pairs into the live model between vLLM's layerwise-reload

@@ -1,7 +1,7 @@
 """The RL run's inputs, checked on the launching machine before any rank starts.
 
 - model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
-  tokenizer, or `tiny:<name>` / `tiny_moe:<name>`, one of the tiny models built on this
+  tokenizer, or `tiny:<name>` / `tiny_moe:<name>` / `tiny_nemotron:<name>`, one of the tiny models built on this
   machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
 - the prompts: data.path (JSONL), or data.tasks generated into <run_dir>/data/train.jsonl.
@@ -75,11 +75,37 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
 
     from hpc_rl.models.parallel.tensor_parallel import tp_problems
 
-    problems = tp_problems(json.loads((Path(path) / "config.json").read_text()), tp)
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("model_type") == "nemotron_h":  # no tp at all: _check_nemotron_h says why
+        return
+    problems = tp_problems(config, tp)
     if problems:
         out.append(Violation(key, tp, f"{path}: " + "; ".join(problems),
                              f"set {key} to a size that divides the heads, key/value heads, intermediate size "
                              "and vocabulary (or 1)"))
+
+
+def _check_nemotron_h(out: List[Violation], ref_key: str, role: str, path: str, parallel) -> None:
+    """A Nemotron-H checkpoint runs on the fsdp2 backend dense and data parallel only: its
+    MoE variant and a tp/cp split of it are refused here, where the checkpoint is known
+    (the trainer's and every teacher's). No sequence packing exists to refuse: rows are
+    right-padded one per sequence, so no SSM state crosses samples."""
+    import json
+
+    from hpc_rl.config.support import (NEMOTRON_H_MOE, NEMOTRON_H_MOE_FIX, NEMOTRON_H_NO_SPLIT,
+                                       NEMOTRON_H_NO_SPLIT_FIX)
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("model_type") != "nemotron_h":
+        return
+    if "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or ""):
+        out.append(Violation(ref_key, path, NEMOTRON_H_MOE.format(path=path), NEMOTRON_H_MOE_FIX.format(key=ref_key)))
+    for dim in ("tp", "cp"):
+        value = getattr(parallel, dim)
+        if value > 1:
+            key = f"{role}.parallel.{dim}"
+            out.append(Violation(key, value, NEMOTRON_H_NO_SPLIT.format(path=path, key=key, value=value),
+                                 NEMOTRON_H_NO_SPLIT_FIX.format(key=key)))
 
 
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
@@ -96,13 +122,15 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
     need = {"num_attention_heads": config.get("num_attention_heads"),
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
-    if config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
+    if config.get("model_type") == "nemotron_h":  # the Mamba mixers split by heads and by groups (nemotron_h_layout.py)
+        need.update(mamba_num_heads=config.get("mamba_num_heads"), n_groups=config.get("n_groups"))
+    elif config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
         need["moe_intermediate_size"] = config["moe_intermediate_size"]
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
     if problems:
         out.append(Violation("generator.parallel.tp", tp, f"{path}: " + "; ".join(problems),
                              "set generator.parallel.tp to a size that divides the heads, key/value heads and "
-                             "intermediate size (or 1)"))
+                             "intermediate size (and a Nemotron-H's mamba heads and n_groups), or 1"))
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep > 1 and not experts:
         out.append(Violation("generator.parallel.ep", ep, f"{path} has no routed experts (a dense checkpoint): "
@@ -147,6 +175,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     if resolved:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
+        _check_nemotron_h(out, "model.path", "trainer", resolved, cfg.trainer.parallel)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
@@ -154,6 +183,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         if p:
             t.checkpoint = p
             _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
+            _check_nemotron_h(out, f"teachers.{alias}.checkpoint", f"teachers.{alias}", p, t.parallel)
 
     dataset: Optional[PromptDataset] = None
     try:
