@@ -93,13 +93,18 @@ def mixer_pieces(name: str, shape: Sequence[int], specs: Specs, ranks: Sequence[
                           f"of in_proj's z/x/B/C/dt, conv1d's x/B/C and the heads evenly)")
     out: List[Piece] = []
     for r, rank in enumerate(ranks):
-        offset = 0
+        offset, rows = 0, []
         for size in sizes:
             per = size // tp
-            start, stop = [0] * len(full), list(full)
-            start[split_dim], stop[split_dim] = offset + r * per, offset + (r + 1) * per
-            out.append(Piece(rank, tuple(start), tuple(stop)))
+            if rows and rows[-1][1] == offset + r * per:  # adjacent parts (tp 1): one box, as the planner expects
+                rows[-1] = (rows[-1][0], offset + (r + 1) * per)
+            else:
+                rows.append((offset + r * per, offset + (r + 1) * per))
             offset += size
+        for a, b in rows:
+            start, stop = [0] * len(full), list(full)
+            start[split_dim], stop[split_dim] = a, b
+            out.append(Piece(rank, tuple(start), tuple(stop)))
     return out
 
 

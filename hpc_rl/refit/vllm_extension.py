@@ -159,5 +159,19 @@ class RefitWorkerExtension:
         transport.barrier(deadline)
         return {"raw_s": time.perf_counter() - t0}
 
+    def hpc_rl_mamba_state(self) -> Dict[str, dict]:
+        """The Mamba-2 mixers' A, D and conv1d weight as this worker holds them, and whether
+        vLLM's `conv_weights` buffer (a view of conv1d.weight that its CPU kernels read) still
+        equals it after reloads (upstream vllm #42481: the alias broke on reload). Checks and
+        tests compare these with a fresh load."""
+        out = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            if hasattr(module, "conv_weights") and hasattr(module, "A"):
+                conv = module.conv1d.weight.detach()
+                out[name] = {"A": module.A.detach().tolist(), "D": module.D.detach().tolist(),
+                             "conv": conv.flatten().tolist(),
+                             "alias_equal": bool((module.conv_weights == conv.view(conv.size(0), conv.size(2))).all())}
+        return out
+
     def hpc_rl_version(self) -> int:
         return getattr(self, "_hpc_rl_version", -1)
