@@ -153,7 +153,7 @@ def test_unsupported_settings_are_valid_but_refused_naming_key_and_fix(overrides
     assert key in found[0].fix
 
 
-@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_mopd_moe", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
+@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_mopd_moe", "tiny_mopd_nemotron", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
 def test_shipped_runnable_recipes_ask_for_nothing_unsupported(recipe):
     assert unsupported(load_config([f"+recipe={recipe}"])) == []
 

