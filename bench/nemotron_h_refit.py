@@ -142,6 +142,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", default="2", help="vLLM tensor-parallel sizes, e.g. 1,2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "nemotron_h_refit.json"))
+    ap.add_argument("--checkpoint", default="tiny_nemotron:student",
+                    help="a dense Nemotron-H directory or tiny_nemotron:<name> (built on first use)")
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -149,12 +151,12 @@ def main() -> int:
     from hpc_rl.data.tasks import mixed
     from hpc_rl.rl.inputs import resolve_model_ref
 
-    ckpt = resolve_model_ref("tiny_nemotron:student")
+    ckpt = resolve_model_ref(args.checkpoint)
     prompts_raw = [s["prompt"] for s in mixed(8, seed=3, tasks=("addition", "multiplication"))]
     port = 29000 + int(time.time()) % 1000
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False)
     results = [run_tp(int(tp), ckpt, store, port, prompts_raw) for tp in args.tp.split(",")]
-    doc = {"benchmark": "nemotron_h_refit", "model": "tiny dense Nemotron-H (M*M-, hidden 64), tiny_nemotron:student",
+    doc = {"benchmark": "nemotron_h_refit", "model": f"tiny dense Nemotron-H (M*M-, hidden 64), {args.checkpoint}",
            "goal": GOAL, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

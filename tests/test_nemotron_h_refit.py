@@ -106,20 +106,29 @@ def test_a_worker_hands_its_part_boxes_to_the_mamba_loader_as_one_weight():
     assert torch.equal(w.narrow(0, 32, 32), full[32:64])
 
 
-def test_nemotron_h_trainer_is_data_parallel_only(tmp_path):
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory) -> Path:
+    """A random dense Nemotron-H of the tiny assets' shape (seconds): these checks need its
+    architecture, not the trained assets (minutes to build on a fresh machine)."""
+    from hpc_rl.models.assets import NemotronHModelSpec, save_untrained
+
+    return save_untrained(tmp_path_factory.mktemp("nemotron_h") / "student", NemotronHModelSpec())
+
+
+def test_nemotron_h_trainer_is_data_parallel_only(tmp_path, untrained):
     """The fsdp2 backend takes the dense hybrid; its tp/cp and the MoE variant are refused
     before launch, naming the key, why and what to set."""
     from hpc_rl.config import ConfigError, load_config
     from hpc_rl.config.support import unsupported
     from hpc_rl.rl.inputs import check_inputs
 
-    base = ["+recipe=tiny_mopd", "launcher=dry_run", "model.path=tiny_nemotron:student",
+    base = ["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={untrained}",
             "model.architecture=nemotron_h", f"run.root_dir={tmp_path}"]
     assert unsupported(load_config(base)) == []
     check_inputs(load_config(base))  # dp only: accepted
     cfg = load_config(base + ["trainer.tasks_per_node=2", "trainer.parallel.tp=2", "trainer.sequence_parallel=true",
                               "+teachers.add.tasks_per_node=2", "+teachers.add.parallel.cp=2",
-                              "teachers.add.checkpoint=tiny_nemotron:teacher_add"])
+                              f"teachers.add.checkpoint={untrained}"])
     with pytest.raises(ConfigError) as e:
         check_inputs(cfg)
     found = {v.key: v for v in e.value.violations}
@@ -128,11 +137,11 @@ def test_nemotron_h_trainer_is_data_parallel_only(tmp_path):
     assert "trainer.parallel.tp=1" in found["trainer.parallel.tp"].fix and "trainer.backend=megatron" in found["trainer.parallel.tp"].fix
 
 
-def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path):
+def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path, untrained):
     from hpc_rl.config import ConfigError, load_config
-    from hpc_rl.rl.inputs import check_inputs, resolve_model_ref
+    from hpc_rl.rl.inputs import check_inputs
 
-    src = Path(resolve_model_ref("tiny_nemotron:student"))
+    src = untrained
     moe = tmp_path / "moe"
     moe.mkdir()
     for f in src.iterdir():
@@ -148,10 +157,12 @@ def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path):
+def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path, untrained):
     out = tmp_path / "nemotron_h_refit.json"
-    # a separate process: vLLM spawns its engine workers and wants a __main__ guard
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nemotron_h_refit.py"), "--tp", "2", "--out", str(out)],
+    # a separate process: vLLM spawns its engine workers and wants a __main__ guard; the
+    # untrained model (the bench's default is the trained student: the same shapes)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nemotron_h_refit.py"), "--tp", "2", "--out", str(out),
+                           "--checkpoint", str(untrained)],
                           capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"][0]
