@@ -138,7 +138,7 @@ UNSUPPORTED = [
     (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
-    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2 and qwen3_moe checkpoints only"),
+    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2, qwen3_moe and nemotron_h checkpoints only"),
     (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "only for an MoE student"),
@@ -153,7 +153,7 @@ def test_unsupported_settings_are_valid_but_refused_naming_key_and_fix(overrides
     assert key in found[0].fix
 
 
-@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_mopd_moe", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
+@pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_mopd_moe", "tiny_mopd_nemotron", "tiny_grpo", "ultra_mopd_tiny", "comm_check"])
 def test_shipped_runnable_recipes_ask_for_nothing_unsupported(recipe):
     assert unsupported(load_config([f"+recipe={recipe}"])) == []
 

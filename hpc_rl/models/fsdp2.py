@@ -24,7 +24,10 @@ from .parallel.expert_parallel import (EPGroups, clip_grad_norm, expert_param_gr
                                        finish_expert_grads, shard_experts)
 
 # HF class -> model.architecture (config/support.py ARCHITECTURES lists the same values)
-ARCHITECTURE_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# NemotronHForCausalLM: transformers' dense hybrid (its PyTorch Mamba-2 path on CPU), data parallel only
+# (rl/inputs.py refuses its tp/cp: parallel/ knows Llama-style layers only)
+ARCHITECTURE_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe",
+                      "NemotronHForCausalLM": "nemotron_h"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_NAMES)
 
 
@@ -33,7 +36,7 @@ class CheckpointError(ValueError):
 
 
 def check_checkpoint(path: str) -> dict:
-    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2/Qwen3-MoE
+    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2/Qwen3-MoE/Nemotron-H
     checkpoint with its tokenizer; returns its config."""
     p = Path(path)
     if not (p / "config.json").exists():

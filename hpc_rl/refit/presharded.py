@@ -7,6 +7,12 @@ in `PreShardedWeight`, the slice reports the global shape, and the loader's `nar
 exactly this slice returns the slice itself: the loaders, their fused-member offsets and
 vLLM's layerwise reload all run unchanged, and no rank ever holds a whole tensor.
 
+A worker may hold several boxes of one tensor along the same dimension (Nemotron-H's
+Mamba in_proj: its z, x, B, C and dt rows, refit/nemotron_h_layout.py). vLLM's loader
+first narrows the whole to one part, then to its rank's rows of that part: a narrow that
+contains whole boxes returns a wrapper of that range, a narrow to exactly what is held
+returns the tensor.
+
 Anything else done to the wrapper (a narrow to other rows, arithmetic, a copy of the
 whole) raises, naming the tensor: our layout and vLLM's split disagree, and loading on
 would corrupt the weights silently.
@@ -14,7 +20,7 @@ would corrupt the weights silently.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -23,7 +29,8 @@ _NARROW = {torch.Tensor.narrow, torch.narrow}
 
 class PreShardedWeight(torch.Tensor):
     """`local` is the box [start, start + local.shape) of a tensor of `global_shape`; it
-    differs from the whole along exactly one dimension."""
+    differs from the whole along exactly one dimension. `of_boxes` wraps several such
+    boxes along the same dimension."""
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, global_shape: Sequence[int], start: Sequence[int], name: str = ""):
@@ -34,11 +41,30 @@ class PreShardedWeight(torch.Tensor):
         if len(split) != 1 or any(s for d, s in enumerate(start) if d not in split):
             raise ValueError(f"{name}: box {tuple(start)}+{tuple(local.shape)} of {tuple(global_shape)} is not a "
                              f"slice along one dimension")
-        self._local, self._split, self._start, self._label = local, split[0], int(start[split[0]]), name
+        self._split, self._label = split[0], name
+        self._rows: List[Tuple[int, torch.Tensor]] = [(int(start[split[0]]), local)]  # (first row, tensor), sorted
+
+    @classmethod
+    def of_boxes(cls, boxes: Sequence[Tuple[Sequence[int], torch.Tensor]], global_shape: Sequence[int],
+                 name: str = "") -> "PreShardedWeight":
+        """Several disjoint boxes (start, tensor), all slices along the same dimension."""
+        boxes = sorted(boxes, key=lambda b: tuple(b[0]))
+        out = cls(boxes[0][1], global_shape, boxes[0][0], name)
+        for start, local in boxes[1:]:
+            other = cls(local, global_shape, start, name)
+            if other._split != out._split:
+                raise ValueError(f"{name}: boxes split along dims {out._split} and {other._split}")
+            out._rows += other._rows
+        ends = [a + t.shape[out._split] for a, t in out._rows]
+        if any(e > a for e, (a, _) in zip(ends, out._rows[1:])):
+            raise ValueError(f"{name}: overlapping boxes {out._held()}")
+        return out
+
+    def _held(self) -> str:
+        return ", ".join(f"{a}:{a + t.shape[self._split]}" for a, t in self._rows)
 
     def __repr__(self) -> str:
-        return (f"PreShardedWeight({self._label}: rows {self._start}:{self._start + self._local.shape[self._split]} "
-                f"of dim {self._split}, global {tuple(self.shape)})")
+        return f"PreShardedWeight({self._label}: rows {self._held()} of dim {self._split}, global {tuple(self.shape)})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -50,13 +76,23 @@ class PreShardedWeight(torch.Tensor):
 
     def _narrow(self, dim: int, start, length: int) -> torch.Tensor:
         dim, start, length = int(dim) % len(self.shape), int(start), int(length)
-        have = self._local.shape[self._split]
-        if dim != self._split or start != self._start or length != have:
+        stop = start + length
+        inside = [(a, t) for a, t in self._rows if a < stop and a + t.shape[self._split] > start]
+        whole = all(start <= a and a + t.shape[self._split] <= stop for a, t in inside)
+        if dim != self._split or not inside or not whole:
             raise RuntimeError(
-                f"{self._label}: vLLM's loader asked for rows {start}:{start + length} of dim {dim}, this worker "
-                f"received rows {self._start}:{self._start + have} of dim {self._split}: the refit's destination "
+                f"{self._label}: vLLM's loader asked for rows {start}:{stop} of dim {dim}, this worker "
+                f"received rows {self._held()} of dim {self._split}: the refit's destination "
                 f"layout does not match the engine's tensor-parallel split")
-        return self._local
+        held = sum(t.shape[self._split] for _, t in inside)
+        if held == length:  # exactly what this worker holds: the tensor itself
+            return inside[0][1] if len(inside) == 1 else torch.cat([t for _, t in inside], dim=self._split)
+        shape = list(self.shape)
+        shape[dim] = length
+        starts = [[0] * len(shape) for _ in inside]
+        for st, (a, _) in zip(starts, inside):
+            st[dim] = a - start
+        return PreShardedWeight.of_boxes([(st, t) for st, (_, t) in zip(starts, inside)], shape, self._label)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -71,3 +107,11 @@ def as_loader_weight(local: torch.Tensor, global_shape: Sequence[int], start: Se
     if tuple(local.shape) == tuple(global_shape):
         return local
     return PreShardedWeight(local, global_shape, start, name)
+
+
+def as_loader_weight_of(boxes: Sequence[Tuple[Sequence[int], torch.Tensor]], global_shape: Sequence[int],
+                        name: str) -> torch.Tensor:
+    """The same for every box of one tensor a worker keeps (several for Nemotron-H's mixers)."""
+    if len(boxes) == 1:
+        return as_loader_weight(boxes[0][1], global_shape, boxes[0][0], name)
+    return PreShardedWeight.of_boxes(boxes, global_shape, name)

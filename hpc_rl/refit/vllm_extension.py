@@ -99,11 +99,20 @@ class RefitWorkerExtension:
 
     def _hpc_rl_loader_weights(self, pieces):
         """(HF name, tensor) as vLLM's loaders take them: whole tensors as they are, a
-        tensor-parallel slice wrapped so that the loader's own narrow finds it."""
-        from hpc_rl.refit.presharded import as_loader_weight
+        tensor-parallel slice wrapped so that the loader's own narrow finds it. A tensor this
+        worker keeps as several boxes (Nemotron-H's Mamba in_proj and conv1d: a box per part)
+        goes to the loader once all its boxes arrived."""
+        from hpc_rl.refit.presharded import as_loader_weight_of
 
-        for _rank, name, start, tensor in pieces:
-            yield name, as_loader_weight(tensor, self._hpc_rl_shapes[name], start, name)
+        want = {(rank, name): len(boxes) for rank, tensors in self._hpc_rl_refit.walk.holdings.dst.items()
+                for name, boxes in tensors.items()}
+        waiting = {}
+        for rank, name, start, tensor in pieces:
+            boxes = waiting.setdefault((rank, name), [])
+            boxes.append((start, tensor))
+            if len(boxes) == want.get((rank, name), 1):
+                del waiting[(rank, name)]
+                yield name, as_loader_weight_of(boxes, self._hpc_rl_shapes[name], name)
 
     def _hpc_rl_load(self, weights) -> Dict[str, float]:
         """Load (HF name, tensor) pairs into the live model between vLLM's layerwise-reload
@@ -149,6 +158,20 @@ class RefitWorkerExtension:
             transport.wait(h, p, deadline, "receiving the raw reference message from")
         transport.barrier(deadline)
         return {"raw_s": time.perf_counter() - t0}
+
+    def hpc_rl_mamba_state(self) -> Dict[str, dict]:
+        """The Mamba-2 mixers' A, D and conv1d weight as this worker holds them, and whether
+        vLLM's `conv_weights` buffer (a view of conv1d.weight that its CPU kernels read) still
+        equals it after reloads (upstream vllm #42481: the alias broke on reload). Checks and
+        tests compare these with a fresh load."""
+        out = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            if hasattr(module, "conv_weights") and hasattr(module, "A"):
+                conv = module.conv1d.weight.detach()
+                out[name] = {"A": module.A.detach().tolist(), "D": module.D.detach().tolist(),
+                             "conv": conv.flatten().tolist(),
+                             "alias_equal": bool((module.conv_weights == conv.view(conv.size(0), conv.size(2))).all())}
+        return out
 
     def hpc_rl_version(self) -> int:
         return getattr(self, "_hpc_rl_version", -1)

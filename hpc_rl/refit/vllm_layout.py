@@ -6,6 +6,8 @@ moves HF-named slices, so the destination layout is written in HF names (a TP ra
 rows r of q_proj, of k_proj and of v_proj), and `fused_targets` says where each HF slice
 lands inside the fused vLLM parameter (which parameter, which shard id, at which offset).
 
+Nemotron-H's names and its Mamba mixers' part-wise splits come from nemotron_h_layout.py.
+
 `check_against_model` compares these names with a live vLLM model at setup, so a trainer
 parameter vLLM does not have (or a shape that does not add up) stops the run before any
 step, naming the parameter.
@@ -17,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from . import nemotron_h_layout as nemotron_h
 from .layout import Layout, LayoutError, Piece, chunk_bounds, megatron_tp_dim, sharded
 
 Specs = Mapping[str, Tuple[Sequence[int], str]]
@@ -45,7 +48,19 @@ class FusedTarget:
     rows: int  # rows of this member on the rank
 
 
+def _member(hf_name: str) -> Optional[str]:
+    """The HF member of a fused vLLM parameter this tensor is (None: not fused)."""
+    if _EXPERT.match(hf_name):
+        return None
+    if nemotron_h.owns(hf_name):
+        return nemotron_h.fused_member(hf_name)
+    m = _MEMBER.search(hf_name)
+    return m.group(1) if m else None
+
+
 def vllm_name(hf_name: str) -> str:
+    if nemotron_h.owns(hf_name):
+        return nemotron_h.vllm_name(hf_name)
     m = _MEMBER.search(hf_name)
     if _EXPERT.match(hf_name):  # loaded through the MoE layer's expert mapping, not a fused linear
         return hf_name
@@ -55,7 +70,7 @@ def vllm_name(hf_name: str) -> str:
 
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
-_VOCAB = re.compile(r"(embed_tokens|lm_head)\.weight$")
+_VOCAB = re.compile(r"(embed_tokens|embeddings|lm_head)\.weight$")  # embeddings: Nemotron-H
 
 
 def padded_rows_per_rank(vocab: int, tp: int) -> int:
@@ -81,8 +96,11 @@ def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = F
     worker's expert_map to its local slot, and skips (returns False for) an id the worker
     does not own, so no other worker needs them."""
     experts = {n: v for n, v in specs.items() if expert_parallel and _EXPERT.match(n)}
-    lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n) and n not in experts}, ranks,
-                  megatron_tp_dim)
+    mixers = {n: p for n, (shape, _) in specs.items() if (p := nemotron_h.mixer_pieces(n, shape, specs, ranks))}
+    lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n) and n not in experts and n not in mixers},
+                  ranks, megatron_tp_dim)
+    for name, pieces in mixers.items():  # Nemotron-H's Mamba mixers: every part split on its own
+        lay.add(name, specs[name][0], specs[name][1], pieces)
     for name, (shape, dtype) in specs.items():
         if _VOCAB.search(name):
             rest = tuple(shape[1:])
@@ -134,17 +152,17 @@ def fused_targets(specs: Specs, tp_size: int) -> Dict[str, FusedTarget]:
     out: Dict[str, FusedTarget] = {}
     groups: Dict[str, List[str]] = {}
     for name in specs:
-        if _MEMBER.search(name) and not _EXPERT.match(name):
+        if _member(name):
             groups.setdefault(vllm_name(name), []).append(name)
     order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
     for param, members in groups.items():
         offset = 0
-        for name in sorted(members, key=lambda n: order[_MEMBER.search(n).group(1)]):
+        for name in sorted(members, key=lambda n: order[_member(n)]):
             rows0 = specs[name][0][0]
             if rows0 % tp_size:
                 raise LayoutError(f"{name}: {rows0} rows do not split over tensor parallel {tp_size}")
             rows = rows0 // tp_size
-            out[name] = FusedTarget(param, FUSED_MEMBERS[_MEMBER.search(name).group(1)][1], offset, rows)
+            out[name] = FusedTarget(param, FUSED_MEMBERS[_member(name)][1], offset, rows)
             offset += rows
     return out
 
@@ -173,13 +191,22 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
                             f"the one vLLM loaded?")
             continue
         vshape, vdtype = params[target]
-        if vdtype != dtype:
+        # vLLM keeps Nemotron-H's A in float32 whatever the engine's dtype (its loader widens
+        # A_log before -exp): a lower-precision A_log loads, rounded
+        widened = target.endswith(".mixer.A") and vdtype == "float32"
+        if vdtype != dtype and not widened:
             problems.append(f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {target}); the refit sends "
                             f"the engine's dtype, so build the source layout with it")
         if name in targets:
             fused_rows[target] = fused_rows.get(target, 0) + targets[name].rows
             if tuple(vshape[1:]) != tuple(shape[1:]):
                 problems.append(f"{name}: shape {tuple(shape)} does not fit vLLM's {target} {tuple(vshape)}")
+        elif nemotron_h.local_shape(name, shape, specs, tp_size) is not None:
+            local = nemotron_h.local_shape(name, shape, specs, tp_size)
+            if tuple(local) != tuple(vshape):
+                problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}: "
+                                f"vLLM splits the Mamba mixer's groups only when tensor parallel {tp_size} divides "
+                                f"n_groups")
         else:
             dim = megatron_tp_dim(name)
             local = list(shape)

