@@ -167,7 +167,9 @@ def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path, untrained):
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"][0]
     print(proc.stdout.strip().splitlines()[-2])  # the figures, prefill vs decode among them
-    assert r["stale_engine"]["token_mult_prob_error"] > 1.05, "the perturbation must make the engine's weights stale"
+    # the perturbation moves the log-probs by 10x the tolerance the refit is held to (1.001):
+    # agreement after the refit is the refit's doing, not a perturbation too small to see
+    assert r["stale_engine"]["token_mult_prob_error"] > 1.01, "the perturbation must make the engine's weights stale"
     assert r["after_refit"]["token_mult_prob_error"] <= 1.001 and r["after_refit"]["tokens"] >= 32, r["after_refit"]
     assert r["prefill_vs_decode"]["token_mult_prob_error"] <= 1.001, r["prefill_vs_decode"]
     assert r["perturbed_a_moved"] and r["a_d_finite_after_refits"] and r["conv_weights_alias_after_refits"]
