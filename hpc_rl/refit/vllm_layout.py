@@ -201,8 +201,7 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
             fused_rows[target] = fused_rows.get(target, 0) + targets[name].rows
             if tuple(vshape[1:]) != tuple(shape[1:]):
                 problems.append(f"{name}: shape {tuple(shape)} does not fit vLLM's {target} {tuple(vshape)}")
-        elif nemotron_h.local_shape(name, shape, specs, tp_size) is not None:
-            local = nemotron_h.local_shape(name, shape, specs, tp_size)
+        elif (local := nemotron_h.local_shape(name, shape, specs, tp_size)) is not None:
             if tuple(local) != tuple(vshape):
                 problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}: "
                                 f"vLLM splits the Mamba mixer's groups only when tensor parallel {tp_size} divides "
