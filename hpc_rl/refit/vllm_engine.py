@@ -81,11 +81,13 @@ class EngineSpan:
 def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
                   memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
                   span: EngineSpan = EngineSpan(), expert_parallel: bool = False,
-                  worker_extension: str = EXTENSION) -> Dict[str, object]:
+                  worker_extension: str = EXTENSION, in_process_core: bool = False) -> Dict[str, object]:
     """vLLM engine arguments: every task of a spanning engine builds its part from the same ones.
     `expert_parallel`: the MoE layers' experts are spread whole over the TP workers.
     `worker_extension`: the refit extension class vLLM imports in each worker (tests may
-    subclass it)."""
+    subclass it). `in_process_core`: the engine core runs in the caller's process
+    (`in_process_core()`); its workers stay processes of their own (the multiprocessing
+    executor: a worker inside a rank would take over the rank's default process group)."""
     from hpc_rl.precision import vllm_dtype
 
     # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
@@ -96,7 +98,18 @@ def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int =
                 gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
                 tensor_parallel_size=tensor_parallel, worker_extension_cls=worker_extension, **span.vllm_args(),
-                **({"enable_expert_parallel": True} if expert_parallel else {}))
+                **({"enable_expert_parallel": True} if expert_parallel else {}),
+                **({"distributed_executor_backend": "mp"} if in_process_core else {}))
+
+
+def in_process_core(span: EngineSpan) -> bool:
+    """Whether this engine's core runs in the generator's own process. On CPU (the local and
+    test clusters) yes, for an engine inside one task: vLLM's engine-core process costs one
+    more interpreter and its imports (about 15 s a launch on this project's 2-core machines,
+    `bench/results/engine_start.json`) and buys nothing there, as the generator drives the
+    engine synchronously anyway. On GPU the core keeps its own process, where scheduling
+    overlaps the generator's Python; a spanning engine keeps vLLM's multi-node layout."""
+    return not torch.cuda.is_available() and span.tasks == 1
 
 
 class VLLMGenerator:
@@ -109,9 +122,14 @@ class VLLMGenerator:
 
         if span.node != 0:
             raise ValueError("only an engine's first task runs the engine; the others host workers (EngineFollower)")
+        import os
+
         bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
+        inproc = in_process_core(span)
+        if inproc:  # read by vLLM when the engine is built; this process builds one engine
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
-                                       tensor_parallel, span, expert_parallel, worker_extension))
+                                       tensor_parallel, span, expert_parallel, worker_extension, inproc))
         self.tensor_parallel = tensor_parallel
         self.expert_parallel = expert_parallel
         self.span = span
@@ -126,6 +144,27 @@ class VLLMGenerator:
     def _core(self):
         return self.llm.llm_engine.engine_core
 
+    def _utility(self, method: str, *args):
+        """Call an engine-core method: through the client's utility channel when the core is
+        a process of its own, directly when it runs here (a returned Future is awaited)."""
+        from concurrent.futures import Future
+
+        core = self._core()
+        if hasattr(core, "call_utility"):
+            return core.call_utility(method, *args)
+        out = getattr(core.engine_core, method)(*args)
+        return out.result() if isinstance(out, Future) else out
+
+    def _processes(self) -> list:
+        """The engine's processes: its core's (with the workers below it), or, when the core
+        runs here, its workers'."""
+        core = self._core()
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        if manager is not None:
+            return list(getattr(manager, "processes", None) or [])
+        executor = getattr(getattr(core, "engine_core", None), "model_executor", None)
+        return [w.proc for w in getattr(executor, "workers", None) or [] if getattr(w, "proc", None) is not None]
+
     def close(self) -> None:
         """End the engine now. vLLM's graceful shutdown on CPU waits for its worker to leave
         (~4 s: measured on every run's tail here), then kills the engine core anyway; the
@@ -136,7 +175,7 @@ class VLLMGenerator:
 
         core = self._core()
         if self.span.tasks == 1:
-            procs = list(getattr(getattr(getattr(core, "resources", None), "engine_manager", None), "processes", None) or [])
+            procs = self._processes()
             for proc in procs:
                 if proc.pid is not None:
                     kill_tree(proc.pid)
@@ -205,12 +244,11 @@ class VLLMGenerator:
         the requests' prompts and tokens so far are prefilled again under the new weights),
         receive and load, stamp the version, resume."""
         t0 = time.perf_counter()
-        core = self._core()
-        core.call_utility("pause_scheduler", "keep", recompute_kv)
+        self._utility("pause_scheduler", "keep", recompute_kv)
         try:
             out = self.refit(version, timeout_s)
         finally:
-            core.call_utility("resume_scheduler")
+            self._utility("resume_scheduler")
         out["pause_to_resume_s"] = time.perf_counter() - t0
         return out
 
