@@ -16,8 +16,9 @@ hpc_rl's public formula (runtime/identity.py `rendezvous_port`). It connects wit
     announced itself yet (compare_set: it never overwrites a genuine record, so the run can
     still start) and a bumped arrival counter, so every rank that waits looks at once.
 
-Everything is written before the reading it targets can happen (the store exists before
-any rank reads it), so the test times nothing by sleeping.
+(a) and (b) are written before the reads they target can start (heartbeats start after the
+rendezvous, refits after a step), so the test times nothing by sleeping; (c) races the
+ranks' own announcements, so what landed is returned and the test asserts on it only then.
 """
 
 from __future__ import annotations
