@@ -49,6 +49,7 @@ bench: setup cluster-up
 	$(PY) bench/refit.py
 	$(PY) bench/engines.py
 	$(PY) bench/exchange.py
+	$(PY) bench/auth_cost.py
 	$(PY) bench/pipeline.py
 
 # The local cluster runs Slurm accounting (MariaDB + slurmdbd, installed by apt on a fresh

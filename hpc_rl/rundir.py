@@ -14,6 +14,8 @@ One directory per run holds everything the job side reads and writes:
   restarts.jsonl                 one line per resume
   timing/<role>.<rank>.<restart>.jsonl     per rank: its phase times, one line per training step
   timing/<role>.<rank>.<restart>.now.json  per rank: the phase it is in, since when (observe/timing.py)
+  auth/<role>.<rank>.<restart>.json        per rank: values and messages it rejected, its MAC work
+                                           (runtime/auth_stats.py; summed into summary.json)
   metrics.jsonl, rollouts.h5, progress.json, summary.json   the RL records (rl/records.py)
   tensorboard/, wandb/, mlruns/  the loggers of `logger` (observe/loggers.py); loggers.json: their run ids
   plots/                         PNGs of the metrics (observe/plots.py, `python -m hpc_rl.plot`)
@@ -101,6 +103,8 @@ class RunDir:
     STEP_TIMING = "{role}.{rank}.{restart}.jsonl"
     PHASE_NOW_SUFFIX = ".now.json"
     PHASE_NOW = "{role}.{rank}.{restart}" + PHASE_NOW_SUFFIX
+    AUTH = "auth"
+    AUTH_REPORT = "{role}.{rank}.{restart}.json"
 
     def __init__(self, path: Union[str, Path]):
         self.path = Path(path)
@@ -243,6 +247,9 @@ class RunDir:
 
     def phase_now(self, role: str, rank, restart: Restart) -> Path:
         return self.timing / self.PHASE_NOW.format(role=role_file_name(role), rank=rank, restart=restart)
+
+    def auth_report(self, role: str, rank, restart: Restart) -> Path:
+        return self.path / self.AUTH / self.AUTH_REPORT.format(role=role_file_name(role), rank=rank, restart=restart)
 
     # ------------------------------------------------------------------ the batch shell
     def shell_vars(self, restart: str) -> List[Tuple[str, Path]]:

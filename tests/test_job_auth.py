@@ -182,3 +182,45 @@ def test_the_store_host_listens_on_the_plans_address_only():
     peer = SignedStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)), b"k" * 64)
     peer.set("x", "1")
     assert host.get("x") == b"1"
+
+
+def test_rejections_are_reported_per_rank_and_summed_for_the_job(tmp_path):
+    """Each rank's report (its engine workers' rejections included) and the job-wide sum
+    that summary.json holds (runtime/auth_stats.py)."""
+    import json
+    import os
+
+    from hpc_rl.config import load_config
+    from hpc_rl.plan import build_plan
+    from hpc_rl.rl.records import update_summary
+    from hpc_rl.runtime import auth_stats
+
+    assert auth_stats.kind("refit/0/ready/2/1") == "refit/*/ready/*/*"
+    assert auth_stats.kind("p2p/0->1/3") == "p2p/*->*/*" and auth_stats.kind("gather/0123456789abcdef/4/2") == "gather/*/*/*"
+    store = SignedStore(dist.HashStore(), new_job_key().encode())
+    dist.HashStore.set(store.raw, "hb/0/abort", b"forged")
+    before = auth_stats.rank_report()
+    assert store.peek("hb/0/abort") is None
+    # an engine worker in another process rejected twice; one in this process is not counted twice
+    auth_stats.add_workers([{"pid": os.getpid() + 1, "rejected": {"refit/0/ready/1/0": 2}, "ops": {"signs": 3}},
+                            {"pid": os.getpid(), "rejected": dict(REJECTED), "ops": {}}])
+    rep = auth_stats.rank_report()
+    assert rep["rejected_total"] == before["rejected_total"] + 1 + 2
+    assert rep["engine_workers"] == {"rejected_by_kind": {"refit/*/ready/*/*": 2}, "ops": {"signs": 3}}
+    assert rep["ops"]["peek"] >= 1 and rep["ops"]["verifies"] >= 1
+
+    plan = build_plan(load_config(["+recipe=tiny_mopd"]))
+    run = tmp_path / "run"
+    (run / "summary.json").parent.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 2}))
+    written = [("trainer", 0, 0), ("generator", 0, 0), ("env", 0, 0), ("teacher/add", 0, 1)]
+    for role, rank, restart in written:
+        path = auth_stats.RunDir(run).auth_report(role, rank, restart)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"rejected_total": 3, "rejected_by_kind": {"hb/*/abort": 3}}))
+    totals = auth_stats.job_totals(run, plan, restart=1)
+    # restart 0's missing files belong to an earlier attempt; restart 1's are named
+    assert totals["auth_rejected"] == 12 and totals["auth_rejected_by_kind"] == {"hb/*/abort": 12}
+    assert totals["auth_rejected_by_role"]["teacher/add"] == 3 and totals["auth_rejected_by_role"]["teacher/mul"] == 0
+    assert set(totals["auth_reports_missing"]) == {"trainer:0", "generator:0", "teacher/mul:0", "env:0"}
+    assert update_summary(run, totals)["steps"] == 2 and json.loads((run / "summary.json").read_text())["auth_rejected"] == 12

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hpc_rl.slurm.executor import job_from_run_dir
+import neighbour
 from slow_train_step import check_slow_train_step_was_waited_for
 
 SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
@@ -81,16 +82,55 @@ def test_tiny_mopd_three_steps_locally(tiny_mopd_three_steps):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes(local_slurm, tmp_path):
-    run = tmp_path / "run"
-    proc = _launch("+recipe=tiny_mopd", "cluster=local_slurm", "launcher=slurm", "launcher.wait=true",
-                   "trainer.nodes=2", "run.max_steps=2", f"run.dir={run}", *SMALL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """Also issue 29's attack test: while the job runs, a process that is not one of its ranks
+    (tests/neighbour.py) reaches its store without the job's secret and forges (a) a pickle
+    that would create a file, under the refit keys the ranks wait on, (b) abort verdicts,
+    (c) rank registrations. The run must finish as usual, nothing unpickled, every forged
+    value a rank read counted in summary.json."""
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    out, err = tmp_path / "launch.out", tmp_path / "launch.err"
+    args = [sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", "cluster=local_slurm", "launcher=slurm",
+            "launcher.wait=true", "trainer.nodes=2", "run.max_steps=2", f"run.dir={run}", *SMALL]
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(args, stdout=fo, stderr=fe, text=True)
+        try:
+            # 6 ranks; the refit group: 2 trainer ranks + the engine's one worker; 2 refits
+            forged = neighbour.attack(run, proc, marker, world=6, refit_world=3, refits=2)
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, out.read_text()[-3000:] + err.read_text()[-3000:]
+    # (b) no rank acted on a forged verdict: the first attempt ran to the end (a verdict
+    # accepted aborts it, and the batch shell's requeue would hide that behind rc 0)
+    errors = sorted(p.name for p in (run / "errors").glob("*")) if (run / "errors").exists() else []
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"] == 0 and not errors, (errors, summary.get("restarts"))
     job = job_from_run_dir(run)
     roles = [r["role"] for r in job.results()]
     assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/mul", "env"]
     assert all(r["steps"] == 2 for r in job.results())
     _check_rollouts(run, 2, {"add_agent": "add", "mul_agent": "mul"})
     assert "student" in (run / "logs" / "trainer.0.out").read_text() and "fsdp2 over 2 ranks" in (run / "logs" / "trainer.0.out").read_text()
+    # the neighbour found the job's real store from public facts
+    host, port = forged["address"]
+    assert f"rendezvous at {host}:{port} " in (run / "logs" / "trainer.0.out").read_text()
+    # (a) never unpickled; (c) only the job's ranks joined (the roles above, all from restart 0)
+    assert len(forged["ready_planted"]) == 6 and not marker.exists()
+    kinds, by_role = summary["auth_rejected_by_kind"], summary["auth_rejected_by_role"]
+    # every rank's heartbeat read the forged verdict at least once; the generator read the
+    # forged readiness of both refits while the trainers trained
+    assert kinds.get("hb/*/abort", 0) >= 6 and kinds.get("refit/*/ready/*/*", 0) >= 2, summary
+    assert all(by_role[r] >= 1 for r in ("trainer", "generator", "teacher/add", "teacher/mul", "env")), by_role
+    if len(forged["rdzv_landed"]) >= 2:  # (c) landed before those ranks announced themselves: the ranks
+        # already waiting (told by the bumped counter to look) read them until the owners overwrote them
+        assert kinds.get("rdzv/*/*", 0) >= 1, summary
+    assert summary["auth_rejected"] == sum(kinds.values()) == sum(by_role.values())
+    assert "auth_reports_missing" not in summary
+    assert "rejected without the job's MAC" in out.read_text()  # the launcher's summary says so
+    workers = json.loads((run / "auth" / "generator.0.0.json").read_text())["engine_workers"]
+    assert workers["ops"].get("signs", 0) > 0  # the engine's worker process reported too
+    print(f"neighbour: {forged}; rejected {summary['auth_rejected']}: {kinds}")
 
 
 @pytest.mark.slurm

@@ -53,6 +53,10 @@ class InferenceEngine(Protocol):
         """`refit` while requests are mid-generation (called from `between_steps`): running
         requests keep going afterwards, on their KV cache or (`recompute_kv`) a recomputed one."""
 
+    def auth_counts(self) -> List[Dict[str, Any]]:
+        """The authentication counts of each of the engine's worker processes
+        (runtime/auth_stats.py `process_counts`): rejected values and MAC work there."""
+
     def close(self) -> None:
         """End the engine once the run is over for this rank (no request is running)."""
 

@@ -68,6 +68,9 @@ class VLLMEngine:
     def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, Any]:
         return self.vllm.refit_in_flight(version, timeout_s, recompute_kv)
 
+    def auth_counts(self) -> List[Dict[str, Any]]:
+        return self.vllm.auth_counts()
+
     def close(self) -> None:
         self.vllm.close()
 

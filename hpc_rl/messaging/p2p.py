@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from hpc_rl.runtime import sealed
+from hpc_rl.runtime import auth_stats, sealed
 
 COUNTS: Counter = Counter()  # this rank's object messages and their bytes, sent and received
 PER_STEP: Dict[int, Dict[str, int]] = {}  # training step -> this rank's traffic from that step's start
@@ -24,7 +24,9 @@ _last_mark: Dict[str, Any] = {"step": None, "at": Counter()}
 
 def mark_step(step: int) -> None:
     """A training step starts here on this rank: what was counted since the last mark
-    belongs to the previous step (bench/exchange.py reads these per-step figures)."""
+    belongs to the previous step (bench/exchange.py reads these per-step figures). The
+    authentication counts take the same mark (runtime/auth_stats.py, bench/auth_cost.py)."""
+    auth_stats.mark_step(step)
     if _last_mark["step"] is not None:
         PER_STEP[_last_mark["step"]] = dict(COUNTS - _last_mark["at"])
     _last_mark.update(step=step, at=Counter(COUNTS))

@@ -285,6 +285,10 @@ class VLLMGenerator:
         self._core().set_weight_version(str(out["version"]))  # the label of the tokens sampled from now on
         return out
 
+    def auth_counts(self) -> List[Dict]:
+        """Each worker process's authentication counts (runtime/auth_stats.py)."""
+        return list(self.llm.collective_rpc("hpc_rl_auth_counts"))
+
     def worker_version(self) -> int:
         return min(self.llm.collective_rpc("hpc_rl_version"))
 

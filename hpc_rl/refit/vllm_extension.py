@@ -88,6 +88,13 @@ class RefitWorkerExtension:
                 **phases, "stream_s": stats.seconds, "post_s": stats.post_s, "unpack_s": stats.unpack_s,
                 "bytes": stats.bytes_received, "messages": stats.messages}
 
+    def hpc_rl_auth_counts(self) -> Dict:
+        """This worker process's authentication counts (runtime/auth_stats.py): it reads the
+        refit group's keys through its own SignedStore."""
+        from hpc_rl.runtime.auth_stats import process_counts
+
+        return process_counts()
+
     def hpc_rl_load_local(self) -> Dict[str, float]:
         """Load the tensors of the last refit again from this worker's memory: what vLLM's
         weight processing alone costs (the benchmark's reference)."""

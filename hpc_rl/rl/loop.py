@@ -34,6 +34,7 @@ from hpc_rl.ft.preemption import save_requested, write_stopped
 from hpc_rl.observe.loggers import open_sink
 from hpc_rl.roles.trainer import TrainerRole
 from hpc_rl.rundir import RunDir
+from hpc_rl.runtime import auth_stats
 from hpc_rl.runtime.faults import maybe_inject
 
 from hpc_rl.messaging import p2p as exchange
@@ -43,7 +44,7 @@ from .checkpointing import Checkpointer
 from .collect import Collector
 from .eval import evaluate
 from .inputs import eval_records, load_dataset
-from .records import MetricsLog, Progress, RolloutStore, summarize
+from .records import MetricsLog, Progress, RolloutStore, summarize, update_summary
 from .roles_setup import announce_end, domains_for_refit, pad_id_of, serve_role
 from hpc_rl.messaging.routes import Routes
 from .step_record import brief, record_step
@@ -246,8 +247,16 @@ def run(ctx) -> Dict[str, Any]:
     out = ctx.run_dir / "exchange" / f"{ctx.ident.role.replace('/', '-')}.{ctx.ident.role_rank}.{ctx.ident.restart}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(exchange.traffic(), sort_keys=True) + "\n")
-    if ctx.ident.global_rank == routes.driver:
+    driver = ctx.ident.global_rank == routes.driver
+    if driver:
         announce_end(ctx)
     ctx.finish()  # before the final barrier: no peer sees this rank go quiet first
+    if ctx.heartbeat is not None:
+        ctx.heartbeat.stop()  # its last read of the store counts in the report below
+    # what this rank (and its engine's workers) rejected: the driver sums every rank's report
+    auth_stats.write_rank_report(ctx.run_dir, ctx.ident.role, ctx.ident.role_rank, ctx.ident.restart)
     dist.barrier(group=ctx.groups.world)
+    if driver and isinstance(result, dict) and result.get("summary") is not None:
+        result["summary"] = update_summary(ctx.run_dir, auth_stats.job_totals(ctx.run_dir, ctx.plan,
+                                                                              ctx.ident.restart))
     return result

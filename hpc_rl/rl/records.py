@@ -4,7 +4,8 @@ metrics.jsonl   one JSON object per step (and per evaluation, "kind": "eval")
 rollouts.h5     one group per step (`step_000001`): token ids, masks, generation / teacher /
                 student logprobs, advantages, rewards, agent names; plain h5py reads it
 progress.json   step, phase and ETA, rewritten as the run moves (launchers display it)
-summary.json    the end: reverse KL per teacher and accuracy per task, start vs end
+summary.json    the end: reverse KL per teacher and accuracy per task, start vs end; after the
+                final barrier, the job's rejected unauthenticated values (runtime/auth_stats.py)
 
 A resumed run truncates metrics and rollouts after the step it resumed from, so each step
 appears once whatever the number of restarts.
@@ -168,6 +169,15 @@ def summarize(run_dir: Path, extra: Optional[Mapping[str, Any]] = None) -> dict:
     return out
 
 
+def update_summary(run_dir: Path, fields: Mapping[str, Any]) -> dict:
+    """summary.json with `fields` added (what only the run's end knows: every rank's
+    authentication report, runtime/auth_stats.py)."""
+    path = RunDir(run_dir).summary
+    out = dict(json.loads(path.read_text()), **fields)
+    _atomic_json(path, _clean(out))
+    return out
+
+
 def render_summary(s: Mapping[str, Any]) -> str:
     lines = [f"summary: {s.get('steps', 0)} steps" + (f" of {s['model']}" if s.get("model") else "")]
     start, end = s.get("start") or {}, s.get("end") or {}
@@ -193,6 +203,9 @@ def render_summary(s: Mapping[str, Any]) -> str:
     if s.get("policy_change_mult_prob_error_max") is not None:
         lines.append(f"  older weights vs trainer, the policy's change (policy_change_mult_prob_error): "
                      f"mean {s['policy_change_mult_prob_error_mean']:.5f}, max {s['policy_change_mult_prob_error_max']:.5f}")
+    if s.get("auth_rejected"):  # values and messages without the job's MAC (docs/security.md)
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(s.get("auth_rejected_by_kind", {}).items()))
+        lines.append(f"  rejected without the job's MAC: {s['auth_rejected']} store values or messages ({kinds})")
     if s.get("slowest_ranks"):  # busy: s per step not waiting for other ranks (observe/timing.py)
         lines.append(f"  {'slowest rank per role':<24}{'rank':<20}{'busy s':>8}{'median':>8}{'step s':>8}")
         for role, w in s["slowest_ranks"].items():

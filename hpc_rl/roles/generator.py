@@ -74,6 +74,7 @@ class GeneratorRole:
         stops because a worker in a follower task died, the error names that worker."""
         try:
             done = self._serve()
+            self._count_workers_auth()
             self.engine.close()  # the run is over for this engine: do not wait on vLLM's shutdown
             return done
         except Exception as exc:
@@ -81,6 +82,16 @@ class GeneratorRole:
             if report is None:
                 raise
             raise RuntimeError(f"{report}; the engine stopped ({type(exc).__name__})") from exc
+
+    def _count_workers_auth(self) -> None:
+        """The engine's workers are processes of their own that read refit keys: their
+        rejections join this rank's report (runtime/auth_stats.py)."""
+        from hpc_rl.runtime import auth_stats
+
+        try:
+            auth_stats.add_workers(self.engine.auth_counts())
+        except Exception as exc:  # a report, never a reason to fail a finished run
+            self.log.warning("the engine's workers' authentication counts are missing from the summary: %s", exc)
 
     def _serve(self) -> Dict[str, Any]:
         done = {"role": "generator", "rank": self.index, "orders": 0, "steps": 0}

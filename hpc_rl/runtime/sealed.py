@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .signed_store import job_key, seal, unseal
+from .signed_store import OPS, job_key, seal, unseal
 
 _seq: Counter = Counter()  # route -> messages sealed or opened on it so far (this process)
 _group_ids: Dict[Any, str] = {}
@@ -48,10 +48,15 @@ def _group_id(group: Optional[dist.ProcessGroup]) -> str:
 
 
 def dumps(obj: Any, label: str) -> bytes:
-    return seal(job_key(), label, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    blob = seal(job_key(), label, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    OPS["msg_seals"] += 1
+    OPS["msg_sealed_bytes"] += len(blob)
+    return blob
 
 
 def loads(blob: bytes, label: str, sender: str) -> Any:
+    OPS["msg_opens"] += 1
+    OPS["msg_opened_bytes"] += len(blob)
     payload = unseal(job_key(), label, blob)
     if payload is None:
         raise MessageRejected(f"a message from {sender} ({label}) does not carry the job's MAC: refused before "

@@ -47,6 +47,10 @@ from . import env
 
 TAG_BYTES = 32  # SHA-256
 REJECTED: Counter = Counter()  # this process's rejected values, by what was checked (key or message kind)
+# this process's authenticated work (runtime/auth_stats.py reports it, bench/auth_cost.py prices it):
+# SignedStore calls by method (and the keys of check/wait), MACs made ("signs") and checked
+# ("verifies") for store values and their payload bytes; sealed messages count in sealed.py
+OPS: Counter = Counter()
 _logged: set = set()
 log = logging.getLogger("hpc_rl.signed_store")
 
@@ -137,19 +141,31 @@ class SignedStore:
             return 300.0
 
     def _valid(self, key: str) -> Optional[bytes]:
-        return unseal(self._secret, key, self.raw.get(key))
+        blob = self.raw.get(key)
+        OPS["verifies"] += 1
+        OPS["verified_bytes"] += len(blob)
+        return unseal(self._secret, key, blob)
+
+    def _sign(self, key: str, value: Union[str, bytes]) -> bytes:
+        blob = seal(self._secret, key, value)
+        OPS["signs"] += 1
+        OPS["signed_bytes"] += len(blob)
+        return blob
 
     def set(self, key: str, value: Union[str, bytes]) -> None:
-        self.raw.set(key, seal(self._secret, key, value))
+        OPS["set"] += 1
+        self.raw.set(key, self._sign(key, value))
 
     def compare_set(self, key: str, expected: Union[str, bytes], desired: Union[str, bytes]) -> bytes:
         """Set `desired` if the key holds `expected` (empty: the key is unset)."""
-        exp = seal(self._secret, key, expected) if len(_as_bytes(expected)) else b""
-        return self.raw.compare_set(key, exp, seal(self._secret, key, desired))
+        OPS["compare_set"] += 1
+        exp = self._sign(key, expected) if len(_as_bytes(expected)) else b""
+        return self.raw.compare_set(key, exp, self._sign(key, desired))
 
     def get(self, key: str) -> bytes:
         """The verified payload; blocks like TCPStore.get (up to the store's timeout) until
         a valid value is there. A forged value is skipped as if the key were unset."""
+        OPS["get"] += 1
         deadline = time.monotonic() + self._timeout_s()
         while True:
             payload = self._valid(key)  # raw.get blocks until the key exists
@@ -162,16 +178,21 @@ class SignedStore:
 
     def peek(self, key: str) -> Optional[bytes]:
         """The verified payload if the key is set with a valid value, else None; never blocks."""
+        OPS["peek"] += 1
         return self._valid(key) if self.raw.check([key]) else None
 
     def check(self, keys: Iterable[str]) -> bool:
         """True when every key is set with a valid value."""
         keys = list(keys)
+        OPS["check"] += 1
+        OPS["check_keys"] += len(keys)
         return self.raw.check(keys) and all(self._valid(k) is not None for k in keys)
 
     def wait(self, keys: Iterable[str], timeout: Optional[timedelta] = None) -> None:
         """Until every key holds a valid value; raises like TCPStore.wait on timeout."""
         keys = list(keys)
+        OPS["wait"] += 1
+        OPS["wait_keys"] += len(keys)
         total = timeout.total_seconds() if timeout is not None else self._timeout_s()
         deadline = time.monotonic() + total
         while True:
