@@ -52,6 +52,14 @@ class Payload:
         return (Path.touch, (Path(self.path),))
 
 
+class Submitted:
+    """A job submitted without waiting (hpc_rl.slurm.chaos.launch): no launcher process to
+    watch, `attack`'s deadline bounds the wait."""
+
+    def poll(self):
+        return None
+
+
 def _sh(*cmd: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
 

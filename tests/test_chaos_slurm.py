@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import neighbour
 from hpc_rl.slurm import chaos
 
 # 6 steps of 16 samples, a checkpoint every 2 steps, no evaluation: small but complete.
@@ -53,11 +54,22 @@ def test_killed_generator_requeues_recomputes_the_lost_step_and_matches(local_sl
     # SIGKILL of the generator at the start of step 4: step 3 (after the step-2 checkpoint)
     # is lost and recomputed
     job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
+    # Issue 29's attack on the weights: a neighbour without the job's secret forges, in the
+    # first attempt, a file-creating pickle under the readiness key of every refit and abort
+    # verdicts (tests/neighbour.py; the het job in tests/test_rl_loop.py counts the
+    # rejections). The first attempt's steps 1-2 reach the final weights through the step-2
+    # checkpoint, so the match below is also "the same weights as an undisturbed run".
+    marker = tmp_path / "pwned"
+    forged = neighbour.attack(run, neighbour.Submitted(), marker, world=3, refit_world=2, refits=6)
     res = chaos.result(run, job, chaos.follow(run, job), t0)
     assert res.finished, res
     assert _resumes(res) == [(1, 2, 1)]
     assert all((run / "logs" / f"generator.{k}.out").exists() for k in (0, 1))  # one log per restart
     assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
+    assert len(forged["ready_planted"]) >= 4 and not marker.exists(), forged  # planted before refit 2 at least
+    # the first attempt ended by the generator's death, not by the forged verdict
+    reports = "".join(p.read_text() for p in (run / "errors").glob("*")) if (run / "errors").exists() else ""
+    assert neighbour.FORGED_VERDICT not in reports and "forged by a neighbour" not in reports, reports
 
 
 @pytest.mark.slurm
