@@ -54,10 +54,17 @@ class Payload:
 
 class Submitted:
     """A job submitted without waiting (hpc_rl.slurm.chaos.launch): no launcher process to
-    watch, `attack`'s deadline bounds the wait."""
+    watch; the job is over once its exit record says it will not come back."""
+
+    def __init__(self, run: Path):
+        self.run = run
 
     def poll(self):
-        return None
+        try:
+            ex = json.loads(RunDir(self.run).job_exit.read_text())
+        except (OSError, ValueError):
+            return None
+        return None if ex.get("requeued") else ex.get("exit_code", 1)
 
 
 def _sh(*cmd: str) -> str:
@@ -71,7 +78,7 @@ def job_id_of(run: Path) -> Optional[str]:
         return None
 
 
-def store_address(job_id: str) -> Optional[Tuple[str, int]]:
+def store_address(job_id: str, restart: int = 0) -> Optional[Tuple[str, int]]:
     """What any cluster user can learn once the job runs: trainer rank 0 (the store's host)
     is the first task of component 0; the port follows from the job id."""
     for line in _sh("squeue", "-h", "-j", job_id, "-o", "%i|%T|%N").splitlines():
@@ -80,7 +87,7 @@ def store_address(job_id: str) -> Optional[Tuple[str, int]]:
             first = _sh("scontrol", "show", "hostnames", nodes).split()[0]
             info = _sh("scontrol", "show", "node", first)
             addr = next((w.split("=", 1)[1] for w in info.split() if w.startswith("NodeAddr=")), first)
-            return addr, rendezvous_port(job_id, 0)
+            return addr, rendezvous_port(job_id, restart)
     return None
 
 
@@ -93,17 +100,18 @@ def _listening(address: Tuple[str, int]) -> bool:
 
 
 def attack(run: Path, proc: subprocess.Popen, marker: Path, world: int, refit_world: int, refits: int,
-           deadline_s: float = 600.0) -> Dict[str, object]:
-    """Wait for the job's store, then forge (a), (b) and (c); returns what was written."""
+           deadline_s: float = 600.0, restart: int = 0) -> Dict[str, object]:
+    """Wait for the store of the job's attempt `restart`, then forge (a), (b) and (c) under
+    that attempt's keys; returns what was written."""
     end = time.monotonic() + deadline_s
-    address, store = None, None
+    address, store, looked = None, None, 0.0
     while store is None:
         if proc.poll() is not None or time.monotonic() > end:
             raise AssertionError(f"the neighbour never reached the job's store (address {address}, launch rc "
                                  f"{proc.poll()})")
-        if address is None:
-            job_id = job_id_of(run)
-            address = store_address(job_id) if job_id else None
+        if address is None or (restart > 0 and time.monotonic() - looked > 1.0):  # a requeue may move it
+            job_id, looked = job_id_of(run), time.monotonic()
+            address = store_address(job_id, restart) if job_id else None
             if address is None:
                 time.sleep(0.2)
                 continue
@@ -111,7 +119,6 @@ def attack(run: Path, proc: subprocess.Popen, marker: Path, world: int, refit_wo
             time.sleep(0.02)
             continue
         store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timedelta(seconds=30))
-    restart = 0
     # (c) forged registrations where no genuine record is yet, then "everyone arrived"
     landed = [r for r in range(world)
               if store.compare_set(f"rdzv/{restart}/{r}", "", FORGED_RECORD) == FORGED_RECORD.encode()]

@@ -126,7 +126,14 @@ class VLLMGenerator:
 
         bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
         inproc = in_process_core(span)
-        if inproc:  # read by vLLM when the engine is built; this process builds one engine
+        if inproc:
+            from vllm import envs as vllm_envs
+
+            # An engine core caches vLLM's environment once it runs (EngineCore enables
+            # envs' cache): here, in this process. A second engine built here (tests, benches)
+            # would read the first one's settings, among them the CPU binding just set above
+            # (seen: a TP-2 engine bound as 'auto' after a TP-1 one failed vLLM's NUMA check).
+            vllm_envs.disable_envs_cache()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
                                        tensor_parallel, span, expert_parallel, worker_extension, inproc))
