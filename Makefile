@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[cpu,dev,observe,megatron-cpu]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(PY) -W ignore -c "import torch, transformers, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib, megatron.core; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -W ignore -c "import torch, transformers, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib, megatron.core, math_verify; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny
@@ -57,6 +57,7 @@ bench: setup cluster-up
 	$(PY) bench/engines.py
 	$(PY) bench/exchange.py
 	$(PY) bench/auth_cost.py
+	$(PY) bench/verify_cost.py
 	$(PY) bench/pipeline.py
 
 # The local cluster runs Slurm accounting (MariaDB + slurmdbd, installed by apt on a fresh

@@ -1,21 +1,42 @@
-"""Numeric answers: pull the final answer out of a response and compare it with the reference.
+"""Math answers: find the final answer in a response, then compare it with the reference.
 
 Where the answer is taken from, in order (the last occurrence of each wins, because models
 restate the question and show working before concluding):
-  1. \\boxed{...}              (braces may nest: \\boxed{\\frac{3}{4}})
+  1. \\boxed{...}              (braces may nest: \\boxed{\\frac{3}{4}}); taken whole
   2. "#### 42"                 (GSM8K style)
-  3. "answer: 42", "answer is 42", "answer = 42"
-  4. the last number anywhere in the text
-Numbers compare exactly as fractions after normalisation: thousands commas, a leading '+',
-trailing zeros ("42.00"), "-0" == "0", and "3/4" == "0.75".
+  3. "answer: 42", "answer is 42", "answer = 42" (the complete number: not the 2 of "2\\sqrt{2}")
+  4. in a response with LaTeX markup ($, \\( or a command): what math-verify finds there
+     (math_judge.py says how), else
+  5. the last number anywhere in the text.
+How it is compared: two whole numbers exactly, in this process (the tiny tasks' answers: the
+fast path, with the result math-verify would give; tens of microseconds against about 10 ms
+a math-verify call, bench/verify_cost.py); anything else by Hugging Face's math-verify
+(`parse` both, `verify`), as NeMo RL does: fractions, decimals to 6 places, roots, "x = 3"
+against 3, sets. Plain numbers are normalised
+first, here: thousands commas and LaTeX thin spaces, a leading '+', a Unicode minus,
+trailing zeros ("42.00"), "-0" == "0", \\frac{3}{4} == "3/4" == "0.75".
+
+math-verify runs in this process on the main thread (its SIGALRM timeouts work there) and in
+a helper process from any other thread (math_worker.py), so its timeouts bound the call
+either way (the helper's deadline on top). Nothing here raises on a response: what cannot be
+judged scores 0, with the reason in `VerifierResult.reason`.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import List, Optional
+
+# Per math-verify operation (parse the reference, parse the answer, each comparison), in
+# whole seconds (SIGALRM): math-verify's own default. The helper process gets a deadline for
+# the whole call on top; past it the helper is killed.
+TIMEOUT_S = 5
+HELPER_DEADLINE_S = 6 * TIMEOUT_S + 10
 
 
 @dataclass(frozen=True)
@@ -23,15 +44,20 @@ class VerifierResult:
     correct: bool
     reward: float  # 1.0 when correct, else 0.0
     extracted: Optional[str]  # the answer as found in the response; None when none was found
+    reason: Optional[str] = None  # why the answer could not be judged (None when it was)
 
 
 # A sign counts only where it cannot be a binary operator ("8-5" is 8 and 5, not 8 and -5).
 _NUMBER = r"(?:(?<![\w.)])[-+\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:/\d+)?"
+# After a marker, the whole answer: not the 2 of "2\sqrt{2}", "2^3", "2x" or "1.5" cut at "1".
+_WHOLE = r"(?!\s*[\\^_{]|\w|\.\d)"
 NUMBER_RE = re.compile(_NUMBER)
-_HASHES_RE = re.compile(r"####\s*(" + _NUMBER + ")")
-_ANSWER_RE = re.compile(r"answer\s*(?:is\s*:?|:|=)\s*\$?\s*(" + _NUMBER + ")", re.IGNORECASE)
+_HASHES_RE = re.compile(r"####\s*(" + _NUMBER + ")" + _WHOLE)
+_ANSWER_RE = re.compile(r"answer\s*(?:is\s*:?|:|=)\s*\$?\s*(" + _NUMBER + ")" + _WHOLE, re.IGNORECASE)
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _PLAIN_NUM_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+_WHOLE_NUM_RE = re.compile(r"-?\d+(?:\.0*)?")
+_LATEX_RE = re.compile(r"\$|\\[a-zA-Z(\[]")  # markup math-verify can read
 
 
 def _boxed_contents(text: str) -> List[str]:
@@ -53,46 +79,120 @@ def _clean_latex(s: str) -> str:
     return re.sub(r"\\[,!; ]|\$|\\left|\\right", "", s)
 
 
-def extract_answer(text: str) -> Optional[str]:
-    """The final answer's text as it appears in the response, or None."""
-    boxed = _boxed_contents(text)
-    if boxed:
-        nums = NUMBER_RE.findall(_clean_latex(boxed[-1]))
-        return nums[-1] if nums else None
-    for pattern in (_HASHES_RE, _ANSWER_RE):
-        found = pattern.findall(text)
-        if found:
-            return found[-1]
+def _last_number(text: str) -> Optional[str]:
     nums = NUMBER_RE.findall(_clean_latex(text))
     return nums[-1] if nums else None
 
 
+def extract_answer(text: str) -> Optional[str]:
+    """The final number by this module's own rules (boxed, ####, answer:, last number), or None."""
+    boxed = _boxed_contents(text)
+    if boxed:
+        return _last_number(boxed[-1])
+    for pattern in (_HASHES_RE, _ANSWER_RE):
+        found = pattern.findall(text)
+        if found:
+            return found[-1]
+    return _last_number(text)
+
+
+def _normalise(s: str) -> Optional[str]:
+    """'1,000' -> '1000', '+5' -> '5', '\u22122' -> '-2', '42.' -> '42', '3/4' stays; None if not a plain number."""
+    s = s.strip().replace("\u2212", "-").replace(",", "").rstrip(".")  # "42." ends a sentence
+    num, slash, den = s.partition("/")
+    parts = [num, den] if slash else [num]
+    if not all(_PLAIN_NUM_RE.fullmatch(p) for p in parts) or (slash and Fraction(den) == 0):
+        return None
+    return "/".join(p.lstrip("+") for p in parts)
+
+
 def parse_number(s: str) -> Optional[Fraction]:
     """'1,000' / '+5' / '42.00' / '-0' / '3/4' -> an exact Fraction; None if not a number."""
-    s = s.strip().replace("\u2212", "-").replace(",", "")
-    s = s.rstrip(".")  # "42." ends a sentence
-    if "/" in s:
-        num, _, den = s.partition("/")
-        a, b = parse_number(num), parse_number(den)
-        return a / b if a is not None and b else None
-    if not _PLAIN_NUM_RE.fullmatch(s):
+    n = _normalise(s)
+    if n is None:
         return None
-    return Fraction(s)
+    num, _, den = n.partition("/")
+    return Fraction(num) / Fraction(den) if den else Fraction(num)
+
+
+def _whole(n: str) -> Optional[int]:
+    """A normalised number's value when it is a whole number written as one ("42", "-0", "42.00")."""
+    return int(n.partition(".")[0]) if _WHOLE_NUM_RE.fullmatch(n) else None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    text: str  # what is judged (see math_judge.judge's `kind`)
+    kind: str  # "number" | "latex" | "search"
+    shown: Optional[str]  # the answer as found, for VerifierResult.extracted
+    fallback: Optional[str] = None  # "search": the last number, judged when math-verify finds nothing
+
+
+def _number(found: str, latex: Optional[str] = None) -> _Answer:
+    """A plain number is judged as one; anything else ("3/0", a boxed expression) as LaTeX."""
+    n = _normalise(found)
+    if n is not None:
+        return _Answer(n, "number", found)
+    expr = latex if latex is not None else found
+    return _Answer(expr, "latex", expr.strip() or None)
+
+
+def final_answer(text: str) -> Optional[_Answer]:
+    """Where the final answer is and how to judge it, or None when there is none."""
+    boxed = _boxed_contents(text)
+    if boxed:
+        return _number(_clean_latex(boxed[-1]).strip(), boxed[-1])
+    for pattern in (_HASHES_RE, _ANSWER_RE):
+        found = pattern.findall(text)
+        if found:
+            return _number(found[-1])
+    last = _last_number(text)
+    if _LATEX_RE.search(text):
+        return _Answer(text, "search", None, _normalise(last) if last else None)
+    return _number(last) if last else None
+
+
+def _keeping_timer(judge, args):
+    """judge() on the main thread, with math-verify's timeouts. Its SIGALRM wrapper ends
+    with alarm(0), which would cancel a timer the caller set (pytest-timeout's, a rank's
+    own): the timer is set again to what is left of it (at least 1 ms)."""
+    pending, interval = signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    try:
+        return judge(*args, timeout_s=TIMEOUT_S)
+    finally:
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - start), 1e-3), interval)
+
+
+def _judge(gold: str, ans: _Answer):
+    from .math_judge import judge
+
+    args = [gold, ans.text, ans.kind, ans.shown, ans.fallback]
+    try:
+        if threading.current_thread() is threading.main_thread():
+            return _keeping_timer(judge, args)
+        from .math_worker import WORKER
+
+        return WORKER.judge(args, TIMEOUT_S, HELPER_DEADLINE_S)
+    except Exception as e:  # never a crashed rank over one answer
+        return False, ans.shown, f"math-verify failed: {type(e).__name__}: {e}"
 
 
 def verify_math(response: str, answer: str) -> VerifierResult:
-    """Reward 1.0 when the response's final number equals the reference numerically.
+    """Reward 1.0 when the response's final answer equals the reference (see the module doc).
 
-    A reference that is not a number is compared as trimmed text, so a dataset with a
-    symbolic answer gets an exact-match check rather than a crash mid-run.
+    A reference math-verify cannot read is compared as trimmed text, so a dataset with an
+    odd answer gets an exact-match check rather than a crash mid-run.
     """
-    extracted = extract_answer(response)
-    if extracted is None:
-        return VerifierResult(False, 0.0, None)
-    ref = parse_number(_clean_latex(str(answer)))
-    got = parse_number(extracted)
-    if ref is None:
-        correct = extracted.strip() == str(answer).strip()
-    else:
-        correct = got is not None and got == ref
-    return VerifierResult(correct, 1.0 if correct else 0.0, extracted)
+    ans = final_answer(response)
+    if ans is None:
+        return VerifierResult(False, 0.0, None, "no answer found")
+    gold = str(answer)
+    ref = _normalise(_clean_latex(gold))
+    if ans.kind == "number" and ref is not None:
+        a, b = _whole(ans.text), _whole(ref)
+        if a is not None and b is not None:  # the fast path: two whole numbers
+            return VerifierResult(a == b, 1.0 if a == b else 0.0, ans.shown)
+    correct, shown, reason = _judge(ref if ref is not None else gold, ans)
+    return VerifierResult(correct, 1.0 if correct else 0.0, shown, reason)
