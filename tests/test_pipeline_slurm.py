@@ -16,8 +16,9 @@ import pytest
 from hpc_rl.pipeline.state import PipelineRecord
 from hpc_rl.pipeline.submit import wait
 
-# a few steps of 16 samples per stage, a checkpoint every 2 steps, no evaluation
-SHORT = ["run.max_steps=4", "algo.prompts_per_step=8", "algo.generations_per_prompt=2", "trainer.global_batch_size=16",
+# 3 steps of 16 samples per stage (the kill at step 3 finds the step-2 checkpoint and the
+# resume still has a step to compute), a checkpoint every 2 steps, no evaluation
+SHORT = ["run.max_steps=3", "algo.prompts_per_step=8", "algo.generations_per_prompt=2", "trainer.global_batch_size=16",
          "data.samples_per_task=16", "data.eval_prompts_per_task=0", "checkpoint.every_steps=2",
          "launcher.slurm.signal_grace_s=60"]
 # teacher_add's trainer is SIGKILLed at step 3 (after the step-2 checkpoint), no retry allowed
@@ -78,7 +79,7 @@ def test_rerunning_the_command_resumes_the_failed_stage_and_finishes_without_rer
     assert resumes and resumes[-1]["resumed_from_step"] == 2, resumes
     assert (pdir / "teacher_add" / "attempts" / before.stages["teacher_add"].job_id / "job_exit.json").exists()
     summary = json.loads((pdir / "mopd" / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["model"] and (pdir / "mopd" / "final_hf" / "config.json").exists()
+    assert summary["steps"] == 3 and summary["model"] and (pdir / "mopd" / "final_hf" / "config.json").exists()
     mopd_cfg = (pdir / "mopd" / "config.yaml").read_text()
     assert str(pdir / "teacher_add" / "final_hf") in mopd_cfg and str(pdir / "rlvr" / "final_hf") in mopd_cfg
     assert PipelineRecord.load(pdir).stages["mopd"].state == "COMPLETED"
