@@ -42,6 +42,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate_generator.py", "checked"),
     ("config/validate_async.py", "checked"),
     ("config/validate_logging.py", "checked"),
+    ("config/validate_agentic.py", "checked"),
     ("rl/inputs.py", "inputs"),
     ("slurm/preflight.py", "cluster"),
     ("config/support.py", "refused"),
@@ -111,7 +112,9 @@ def field_docs(source: str) -> Tuple[Dict[str, str], Dict[Tuple[str, str], Tuple
 
 def schema_keys(root: type = RunConfig, source: Optional[str] = None) -> List[Key]:
     """Every section and leaf key of the schema, in field order, with its type, default and meaning."""
-    docs, fields = field_docs(source if source is not None else Path(schema.__file__).read_text())
+    if source is None:  # schema.py and the sections kept beside it (schema_agentic.py)
+        source = "\n".join(p.read_text() for p in sorted(Path(schema.__file__).parent.glob("schema*.py")))
+    docs, fields = field_docs(source)
 
     def doc_of(cls: type, name: str) -> Tuple[str, str]:
         found = [fields[(k.__name__, name)] for k in cls.__mro__ if (k.__name__, name) in fields]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
+from .schema_agentic import AgenticConfig
 from .trace import Traced
 
 # The experiment loggers `logger` may list; hpc_rl/observe/loggers.py registers one backend
@@ -220,6 +221,7 @@ class EnvConfig(RoleResources):
     nodes: int = 1
     gpus_per_node: Optional[int] = 0
     tasks_per_node: Optional[int] = 1
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)  # multi-turn, tool-using episodes.
 
 
 @dataclass

@@ -25,6 +25,7 @@ from .resources import (
     world_size,
 )
 from .schema import GeneratorConfig, RoleResources, RunConfig
+from .validate_agentic import check_agentic
 from .validate_async import check_in_flight
 from .validate_generator import check_generator
 from .validate_logging import check_logging
@@ -365,6 +366,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_data,
     check_launch,
     check_logging,
+    check_agentic,
 ]
 
 

@@ -11,54 +11,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from hpc_rl.engines.rows import Rollouts, SampleRow, pad_rows  # noqa: F401  (re-exported: the rows engines return)
+
 EXTENSION = "hpc_rl.refit.vllm_extension.RefitWorkerExtension"
-
-
-@dataclass
-class Rollouts:
-    """Right-padded prompt+response token ids and what the engine said about them."""
-
-    input_ids: torch.Tensor  # [B, T] long, prompt then response, right-padded
-    attention_mask: torch.Tensor  # [B, T]
-    response_mask: torch.Tensor  # [B, T] bool: the generated tokens (the ones trained on)
-    generation_logprobs: torch.Tensor  # [B, T]: sampled token's logprob at its position, 0 elsewhere
-    prompt_lengths: List[int]
-    generation_lengths: List[int]
-    truncated: List[bool]  # stopped by max_tokens rather than a stop token/string
-    texts: List[str]
-
-
-@dataclass
-class SampleRow:
-    """One generated sample as plain lists (cheap to pickle between ranks)."""
-
-    prompt_ids: List[int]
-    response_ids: List[int]
-    logprobs: List[float]  # the sampled tokens' logprobs under the generating engine
-    truncated: bool  # stopped by max_tokens rather than a stop token/string
-    text: str
-    # The weight versions (trainer steps) the engine served when the sample's first and last
-    # tokens were generated; they differ when a refit landed mid-sequence. Set by the generator.
-    version_first: int = 0
-    version_last: int = 0
-
-
-def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:
-    """Right-pad prompt+response rows into one batch; logprob of token i sits at position i."""
-    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
-    b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    resp = torch.zeros((b, width), dtype=torch.bool)
-    glp = torch.zeros((b, width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        p, n = len(r.prompt_ids), len(r.prompt_ids) + len(r.response_ids)
-        ids[i, :n] = torch.tensor(r.prompt_ids + r.response_ids)
-        attn[i, :n] = 1
-        resp[i, p:n] = True
-        glp[i, p:n] = torch.tensor(r.logprobs, dtype=torch.float32)
-    return Rollouts(ids, attn, resp, glp, [len(r.prompt_ids) for r in rows], [len(r.response_ids) for r in rows],
-                    [r.truncated for r in rows], [r.text for r in rows])
 
 
 @dataclass(frozen=True)

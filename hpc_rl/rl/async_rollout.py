@@ -81,7 +81,7 @@ class AsyncRollouts:
                                            group_size=self.cfg.algo.generations_per_prompt)
         batch = self.collector.batch_of(gathered)
         dropped = exchange.share(dropped, self.collector.routes.driver, self.collector.group)
-        batch.info = {"async": {"buffer_depth": depth, "stale_dropped": dropped}}
+        batch.info["async"] = {"buffer_depth": depth, "stale_dropped": dropped}
         batch.timing = {"wait_rows_s": self.wait_s, "refit_s": self.refit_s,
                         "generate_busy_s": gathered["generate_busy_s"] if self.driver else 0.0}
         return batch

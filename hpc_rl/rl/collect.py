@@ -19,6 +19,14 @@ from hpc_rl.messaging.messages import COLLECT, TEACHER_EVAL, Batch, Order, reque
 from hpc_rl.messaging.routes import Routes
 
 
+def merge_episode_stats(total: Dict[str, float], part: Dict[str, float]) -> Dict[str, float]:
+    """The episodes' figures of several generators: maxima stay maxima, the rest add up."""
+    out = dict(total)
+    for k, v in part.items():
+        out[k] = max(out.get(k, v), v) if k.startswith("max_") or "_max_" in k else out.get(k, 0) + v
+    return out
+
+
 class Collector:
     def __init__(self, ctx, routes: Routes, trainer, router, pad_id: int):
         self.ctx, self.routes, self.trainer, self.router, self.pad_id = ctx, routes, trainer, router, pad_id
@@ -54,14 +62,16 @@ class Collector:
             seeds = {i: request_seed(cfg.run.seed, stream, step, i) for i in range(len(records))}
             self.order(COLLECT, step, records, seeds=seeds, sampling=sampling, score_env=score_env,
                        score_teachers=score_teachers, train=train, refit_after=step if train else None)
-            rows, versions, _ = self.gather_rows(len(records))
-            head = ("rows", records, rows, versions)
+            rows, versions, _, episodes = self.gather_rows(len(records))
+            head = ("rows", records, rows, versions, episodes)
         head = exchange.share(head, r.driver, self.group)
         if head[0] == "stop":
             return head[1]
-        _, records, rows, versions = head
+        _, records, rows, versions, episodes = head
         t_gen = time.perf_counter()
         batch = Batch(records, rows, pad_rows(rows, self.pad_id), versions)
+        if episodes:
+            batch.info["agentic"] = episodes
         self.ctx.set_phase("logprobs")
         batch.student_logprobs = self.trainer.student_logprobs(rows)
         self.ctx.set_phase("wait_scores")  # env ranks and teacher groups answer the driver
@@ -76,25 +86,27 @@ class Collector:
 
     def gather_rows(self, n: int):
         """Driver: every generator's rows of the outstanding collection, in request order;
-        the engines' versions and their sampling seconds."""
+        the engines' versions, their sampling seconds, and (multi-turn collections) the
+        episodes' figures summed over the generators (roles/episodes.py)."""
         rows: List = [None] * n
-        versions, gen_s = set(), []
+        versions, gen_s, episodes = set(), [], {}
         for rank in self.routes.generators:
-            version, piece, seconds = exchange.recv(rank)
+            version, piece, seconds, stats = exchange.recv(rank)
             versions.add(version)
             gen_s.append(seconds)
             for i, row in piece:
                 rows[i] = row
-        return rows, sorted(versions), gen_s
+            episodes = merge_episode_stats(episodes, stats)
+        return rows, sorted(versions), gen_s, episodes
 
     def gather(self, records: List[PromptRecord], score_env: bool, score_teachers: bool):
         """Driver, asynchronous rollouts: the whole outstanding collection (rows and every
         scorer's answer) as plain data the rollout buffer keeps and a checkpoint saves."""
-        rows, versions, gen_s = self.gather_rows(len(records))
+        rows, versions, gen_s, episodes = self.gather_rows(len(records))
         score_env, score_teachers = score_env and bool(self.routes.envs), score_teachers and bool(self.routes.teachers)
         rewards, correct, teacher = self._scores(len(rows), score_env, score_teachers)
         return {"records": records, "rows": rows, "versions": versions, "rewards": rewards, "correct": correct,
-                "teacher": teacher, "generate_busy_s": max(gen_s) if gen_s else 0.0}
+                "teacher": teacher, "generate_busy_s": max(gen_s) if gen_s else 0.0, "agentic": episodes}
 
     def batch_of(self, gathered) -> Batch:
         """Every trainer rank: the Batch of a gathered collection (the driver's, shared in
@@ -102,6 +114,8 @@ class Collector:
         g = exchange.share(gathered, self.routes.driver, self.group)
         rows = g["rows"]
         batch = Batch(g["records"], rows, pad_rows(rows, self.pad_id), g["versions"])
+        if g.get("agentic"):
+            batch.info["agentic"] = g["agentic"]
         self.ctx.set_phase("logprobs")
         batch.student_logprobs = self.trainer.student_logprobs(rows)
         if g["rewards"] is not None:

@@ -34,6 +34,26 @@ def version_split_mult_prob_error(b: Batch, current: int) -> Dict[str, Any]:
     return out
 
 
+def multi_turn_arrays(b: Batch) -> Dict[str, np.ndarray]:
+    """rollouts.h5 arrays of multi-turn rows, aligned with input_ids: `token_versions` (the
+    weight version of each policy token, -1 elsewhere), `turn_index` (the policy turn a
+    response token belongs to: a turn is the policy's tokens and the environment's answer
+    after them; -1 on the prompt and padding) and `turns` per row. `response_mask` is the
+    loss mask: 1 on the policy's tokens, 0 on the environment's."""
+    shape = tuple(b.rollouts.input_ids.shape)
+    versions = np.full(shape, -1, dtype=np.int32)
+    turn = np.full(shape, -1, dtype=np.int16)
+    for i, x in enumerate(b.rows):
+        p, mask = len(x.prompt_ids), x.policy_mask()
+        tv = x.token_versions if x.token_versions is not None else [x.version_first if m else -1 for m in mask]
+        versions[i, p:p + len(tv)] = tv
+        k, prev = -1, 0
+        for j, m in enumerate(mask):
+            k += int(m == 1 and prev == 0)  # a policy segment starts a turn
+            turn[i, p + j], prev = max(k, 0), m
+    return {"token_versions": versions, "turn_index": turn, "turns": np.array([x.turns for x in b.rows], dtype=np.int16)}
+
+
 def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, float], metrics_log: MetricsLog,
                 store: RolloutStore) -> Dict[str, Any]:
     r = b.rollouts
@@ -43,6 +63,8 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
                            "truncated_frac": float(np.mean(r.truncated)),
                            **version_split_mult_prob_error(b, step - 1),
                            "weight_version": min(b.weight_versions), **train, **b.info, "timing": timing}
+    if any(x.loss_mask is not None for x in b.rows):
+        rec["turns_mean"] = float(np.mean([x.turns for x in b.rows]))
     # the weights each sample saw (first and last token) and its age under this step's policy
     first, last = [x.version_first for x in b.rows], [x.version_last for x in b.rows]
     rec["versions"] = {"first_min": min(first), "first_max": max(first), "last_max": max(last),
@@ -61,6 +83,8 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
               # the weights each sample was generated under: first and last token (in-flight refits)
               "weight_version_first": np.array([x.version_first for x in b.rows], dtype=np.int32),
               "weight_version_last": np.array([x.version_last for x in b.rows], dtype=np.int32)}
+    if any(x.loss_mask is not None for x in b.rows):  # multi-turn trajectories: per token, whose and which weights
+        arrays.update(multi_turn_arrays(b))
     if b.teacher_logprobs is not None:
         arrays["teacher_logprobs"] = b.teacher_logprobs.numpy()
     if b.rewards is not None:

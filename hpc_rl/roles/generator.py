@@ -50,6 +50,12 @@ class GeneratorRole:
         self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
         self.in_flight: Dict[str, Any] = {}  # the in-flight refit of the order being sampled
         self.refit_prefix, self.refits = "", 0  # the refit group's store namespace; refits received
+        self.episodes = None  # multi-turn collections: the engine's endpoint (roles/episodes.py)
+        if cfg.env.agentic.environment:
+            from hpc_rl.roles.episodes import EngineEndpoint
+
+            self.episodes = EngineEndpoint(ctx, self.engine, self.index)
+        self.episode_stats: Dict[str, float] = {}  # the last multi-turn collection's (sent with its rows)
 
     def join_refit(self) -> None:
         """The driver sends the refit setup; the engine checks the destination layout
@@ -75,6 +81,8 @@ class GeneratorRole:
         try:
             done = self._serve()
             self._count_workers_auth()
+            if self.episodes is not None:
+                self.episodes.close()
             self.engine.close()  # the run is over for this engine: do not wait on vLLM's shutdown
             return done
         except Exception as exc:
@@ -157,15 +165,18 @@ class GeneratorRole:
         rows: List[Any] = [None] * len(order.items)
         t0 = time.perf_counter()
         self.in_flight = {"version": order.refit_in_flight, "landed": order.refit_in_flight is None}
-        if order.kind == COLLECT and order.items:
-            poll = self._poll_in_flight if order.refit_in_flight is not None else None
+        env = self.routes.env_of(self.index)
+        poll = self._poll_in_flight if order.refit_in_flight is not None else None
+        multi_turn = order.kind == COLLECT and self.episodes is not None
+        if multi_turn:  # the env rank runs the episodes against the endpoint; it scores them itself
+            rows, self.episode_stats = self.episodes.collect(order, env, poll)
+        elif order.kind == COLLECT and order.items:
             rows = self.engine.sample([r.prompt for _, r, _ in order.items], order.sampling,
                                       [seed for _, _, seed in order.items], between_steps=poll)
         gen_s = time.perf_counter() - t0
         self.ctx.set_phase("wait_send")  # each send returns once its consumer takes it
         items = [(i, rec, row) for (i, rec, _), row in zip(order.items, rows)]
-        env = self.routes.env_of(self.index)
-        if env is not None:
+        if env is not None and not multi_turn:
             exchange.send(Work(order.kind, order.kind == COLLECT and order.score_env, order.step, order.train, items), env)
         wanted_t = order.kind == TEACHER_EVAL or (order.kind == COLLECT and order.score_teachers)
         by_group = self.router.split_by_group([rec.agent for _, rec, _ in items]) if self.routes.teachers else {}
@@ -175,7 +186,8 @@ class GeneratorRole:
         if not self.in_flight["landed"]:  # sampling ended first: the trainer sends it after its train step
             self._refit(order.refit_in_flight)
         if order.kind == COLLECT:
-            exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s), self.routes.driver)
+            exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s,
+                           self.episode_stats if multi_turn else {}), self.routes.driver)
 
 
 class EngineFollowerRole:

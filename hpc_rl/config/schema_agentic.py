@@ -1,0 +1,35 @@
+"""The schema of multi-turn, tool-using episodes (`env.agentic`), beside schema.py.
+
+Its comments document the keys like schema.py's do (hpc_rl/config/reference.py reads both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .trace import Traced
+
+
+@dataclass
+class AgenticConfig(Traced):
+    """Multi-turn episodes (hpc_rl/agentic/): the env ranks talk to the policy over many turns
+    through their generator's endpoint (hpc_rl/serving/) and call tools; each episode
+    becomes a token-exact trajectory in which only the policy's tokens are trained on."""
+
+    # A registered environment (hpc_rl/agentic/registry: calculator, ...). None: single-turn
+    # verifiers score one answer per prompt (no endpoint is started).
+    environment: Optional[str] = None
+    max_turns: int = 4  # the policy's turns per episode; an episode still going after them is truncated
+    # Tokens per trajectory after the first prompt (the policy's and the environment's); a turn
+    # samples at most what is left, and at most generator.sampling.max_tokens.
+    max_tokens: int = 192
+    turn_timeout_s: float = 120.0  # one policy turn (a request to the endpoint); past it the episode is truncated
+    episode_timeout_s: float = 600.0  # one whole episode, tools included; past it the episode is truncated
+    truncated_reward: float = 0.0  # the reward of a truncated episode (it keeps its tokens and is trained on)
+    # Episodes one env rank runs at once (per generator it serves); also the size of its
+    # HTTP connection pool to the endpoint, never a library default.
+    max_inflight_episodes: int = 64
+    # vLLM's tool parser (its ToolParserManager name) for the endpoint's chat route and the
+    # episodes' tool calls: `pythonic` needs no special tokens (the tiny models' format).
+    tool_parser: str = "pythonic"

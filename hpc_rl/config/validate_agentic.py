@@ -1,0 +1,49 @@
+"""Validation of multi-turn episodes (`env.agentic`), beside validate.py."""
+
+from __future__ import annotations
+
+from typing import List
+
+from .errors import Violation, check_positive
+from .schema import RunConfig
+
+
+def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
+    a = cfg.env.agentic
+    if a.environment is None:
+        return
+    from hpc_rl.agentic.registry import environment_names
+
+    names = environment_names()
+    if a.environment not in names:
+        out.append(Violation("env.agentic.environment", a.environment, "is not a registered environment",
+                             f"set env.agentic.environment to one of {sorted(names)} (or null for single-turn verifiers)"))
+    for key in ("max_turns", "max_tokens", "turn_timeout_s", "episode_timeout_s", "max_inflight_episodes"):
+        check_positive(out, f"env.agentic.{key}", getattr(a, key))
+    if cfg.env.nodes < 1:
+        # the env ranks run the episodes: without them nobody would talk to the endpoint
+        out.append(Violation("env.nodes", cfg.env.nodes, "env.agentic.environment needs env ranks to run the episodes",
+                             "set env.nodes >= 1"))
+    max_len = cfg.generator.max_model_len or cfg.trainer.max_seq_len
+    if a.max_tokens >= max_len:
+        out.append(Violation("env.agentic.max_tokens", a.max_tokens,
+                             f"a trajectory's tokens after the prompt must leave room for the prompt within the model length {max_len}",
+                             f"set env.agentic.max_tokens < {max_len} (or raise generator.max_model_len and trainer.max_seq_len)"))
+    if a.turn_timeout_s > a.episode_timeout_s:
+        out.append(Violation("env.agentic.turn_timeout_s", a.turn_timeout_s,
+                             f"exceeds env.agentic.episode_timeout_s={a.episode_timeout_s}: the episode's deadline would cut every slow turn first",
+                             "set env.agentic.turn_timeout_s <= env.agentic.episode_timeout_s"))
+    if a.max_inflight_episodes > cfg.generator.max_num_seqs:
+        # more episodes than the engine runs at once would queue inside vLLM, each holding a connection
+        out.append(Violation("env.agentic.max_inflight_episodes", a.max_inflight_episodes,
+                             f"exceeds generator.max_num_seqs={cfg.generator.max_num_seqs}, the sequences one engine runs at once",
+                             f"set env.agentic.max_inflight_episodes <= {cfg.generator.max_num_seqs} or raise generator.max_num_seqs"))
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:  # a launching host without vLLM: the generator checks it when its engine starts
+        return
+    known = ToolParserManager.list_registered() if hasattr(ToolParserManager, "list_registered") else list(
+        getattr(ToolParserManager, "tool_parsers", {}))
+    if known and a.tool_parser not in known:
+        out.append(Violation("env.agentic.tool_parser", a.tool_parser, "is not one of vLLM's tool parsers",
+                             f"set env.agentic.tool_parser to one of {sorted(known)[:12]}... (pythonic needs no special tokens)"))
