@@ -21,9 +21,9 @@ class AgenticConfig(Traced):
     # verifiers score one answer per prompt (no endpoint is started).
     environment: Optional[str] = None
     max_turns: int = 4  # the policy's turns per episode; an episode still going after them is truncated
-    # Tokens per trajectory after the first prompt (the policy's and the environment's); a turn
-    # samples at most what is left, and at most generator.sampling.max_tokens.
-    max_tokens: int = 192
+    # Tokens per trajectory, the first prompt included (the context the policy must hold); a
+    # turn samples at most what is left, and at most generator.sampling.max_tokens.
+    max_tokens: int = 128
     turn_timeout_s: float = 120.0  # one policy turn (a request to the endpoint); past it the episode is truncated
     episode_timeout_s: float = 600.0  # one whole episode, tools included; past it the episode is truncated
     truncated_reward: float = 0.0  # the reward of a truncated episode (it keeps its tokens and is trained on)

@@ -12,9 +12,9 @@ def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
     a = cfg.env.agentic
     if a.environment is None:
         return
-    from hpc_rl.agentic.registry import environment_names
+    from hpc_rl.agentic.contract import known_environments
 
-    names = environment_names()
+    names = known_environments()
     if a.environment not in names:
         out.append(Violation("env.agentic.environment", a.environment, "is not a registered environment",
                              f"set env.agentic.environment to one of {sorted(names)} (or null for single-turn verifiers)"))
@@ -25,10 +25,10 @@ def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("env.nodes", cfg.env.nodes, "env.agentic.environment needs env ranks to run the episodes",
                              "set env.nodes >= 1"))
     max_len = cfg.generator.max_model_len or cfg.trainer.max_seq_len
-    if a.max_tokens >= max_len:
+    if a.max_tokens > max_len:
         out.append(Violation("env.agentic.max_tokens", a.max_tokens,
-                             f"a trajectory's tokens after the prompt must leave room for the prompt within the model length {max_len}",
-                             f"set env.agentic.max_tokens < {max_len} (or raise generator.max_model_len and trainer.max_seq_len)"))
+                             f"a trajectory (its first prompt included) must fit the model length {max_len}",
+                             f"set env.agentic.max_tokens <= {max_len} (or raise generator.max_model_len and trainer.max_seq_len)"))
     if a.turn_timeout_s > a.episode_timeout_s:
         out.append(Violation("env.agentic.turn_timeout_s", a.turn_timeout_s,
                              f"exceeds env.agentic.episode_timeout_s={a.episode_timeout_s}: the episode's deadline would cut every slow turn first",

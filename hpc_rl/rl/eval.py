@@ -49,7 +49,10 @@ def evaluate(collector: Collector, tag: str, evals: List[PromptRecord], step: in
         kl = reverse_kl(s)
     if not driver:
         return None
-    teacher_acc = collector.teacher_accuracy(evals) if tag == "start" and distill else {}
+    # A teacher answers alone, in one turn: an agentic task's teachers answer through tools,
+    # in episodes (their multi-turn accuracy is measured where the assets are built).
+    single_turn = not collector.ctx.cfg.env.agentic.environment
+    teacher_acc = collector.teacher_accuracy(evals) if tag == "start" and distill and single_turn else {}
     acc = accuracy_by_task(g.records, g.correct)
     rec = {"kind": "eval", "tag": tag, "step": step, "accuracy": acc, "reverse_kl": kl, "time": time.time(),
            "teacher_accuracy": teacher_acc, "prompts": len(evals)}

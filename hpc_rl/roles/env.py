@@ -30,6 +30,24 @@ class EnvRole:
         self.ctx, self.routes = ctx, routes
         self.rank = ctx.ident.global_rank
         self.sources = [routes.generators[g] for g in routes.generators_of_env(self.rank)]
+        self.episodes = None  # multi-turn collections (roles/episode_runner.py)
+        if ctx.cfg.env.agentic.environment and self.sources:
+            from hpc_rl.roles.episode_runner import EpisodeRunner
+
+            self.episodes = EpisodeRunner(ctx)
+
+    def _episodes(self, work, done: Dict[str, Any]) -> None:
+        from hpc_rl.roles.episode_runner import serve_episodes
+
+        first = work[0]
+        self.ctx.set_phase("episodes" if first.train else "eval", first.step if first.train else None)
+        if first.train:
+            done["steps"] += 1
+            exchange.mark_step(first.step)
+            ident = self.ctx.ident
+            maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, first.step)
+        out = serve_episodes(self.episodes, work, self.sources, self.routes.driver, self.ctx.set_phase)
+        done["episodes"] = done.get("episodes", 0) + out["episodes"]
 
     def serve(self) -> Dict[str, Any]:
         done: Dict[str, Any] = {"role": "env", "rank": self.ctx.ident.role_rank, "rounds": 0, "steps": 0}
@@ -39,8 +57,11 @@ class EnvRole:
         while True:
             self.ctx.set_phase("wait")  # for the rows of this rank's generators
             work: List[Work] = [exchange.recv(src) for src in self.sources]
-            kind = work[0].kind
             done["rounds"] += 1
+            if not isinstance(work[0], Work):  # a multi-turn collection: Episodes (roles/episodes.py)
+                self._episodes(work, done)
+                continue
+            kind = work[0].kind
             busy = "verify" if work[0].train else "eval"
             self.ctx.set_phase(busy if work[0].wanted else "wait", work[0].step if work[0].train else None)
             if work[0].train:

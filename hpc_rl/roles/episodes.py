@@ -16,7 +16,6 @@ and every policy token carries the weight version it was sampled under.
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -54,13 +53,12 @@ class EngineEndpoint:
     def __init__(self, ctx, engine, index: int):
         from vllm.utils.network_utils import get_ip
 
-        from hpc_rl.serving.key import endpoint_key
-        from hpc_rl.serving.server import start_endpoint
+        from hpc_rl.serving import RequestQueue, endpoint_key, start_endpoint
 
         self.ctx, self.engine, self.index = ctx, engine, index
-        self.requests: "queue.Queue" = queue.Queue()
+        self.requests = RequestQueue()
         a = ctx.cfg.env.agentic
-        self.server = start_endpoint(get_ip(), engine.tokenizer, self.requests.put, endpoint_key(),
+        self.server = start_endpoint(get_ip(), engine.tokenizer, self.requests.submit, endpoint_key(),
                                      tool_parser=a.tool_parser, model_name=ctx.cfg.model.path)
         ctx.store.set(ENDPOINT_KEY.format(restart=ctx.ident.restart, engine=index), f"{self.server.host}:{self.server.port}")
         ctx.log.info("engine %d serves its endpoint at http://%s:%d/v1 (the job's key required)", index,
@@ -69,7 +67,7 @@ class EngineEndpoint:
     def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, float]]:
         """Hand the order's items to the env rank, serve the engine until its trajectories
         come back; returns the rows in the order's item order and the episodes' stats."""
-        from hpc_rl.serving.loop import serve
+        from hpc_rl.serving import serve
 
         exchange.send(Episodes(self.index, order.score_env, order.step, order.train, order.items, order.sampling), env_rank)
         box: List[Any] = []
@@ -88,7 +86,8 @@ class EngineEndpoint:
             raise RuntimeError(f"env rank {env_rank} did not return the episodes of step {order.step}: {box[0]}") from box[0]
         back: EpisodeReturn = box[0]
         rows = dict(back.rows)
-        stats = dict(back.stats, **{f"engine_{k}": v for k, v in served.items()})
+        stats = dict(back.stats, engine_max_batch=float(served.max_batch), engine_steps=float(served.steps),
+                     engine_step_s=served.step_s, engine_idle_s=served.idle_s, engine_wall_s=served.wall_s)
         return [rows[i] for i, _, _ in order.items], stats
 
     def close(self) -> None:

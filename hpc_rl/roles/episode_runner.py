@@ -1,0 +1,127 @@
+"""The env rank's side of a multi-turn collection (roles/episodes.py has the generator's).
+
+For each generator it serves, the env rank runs that order's episodes concurrently against
+the generator's endpoint (its address from the job's signed store, the job's endpoint key),
+at most `env.agentic.max_inflight_episodes` at once per generator, through one HTTP client
+whose connection pool has exactly that size. Every policy call goes through the token route
+with the request's own seed (a function of the order's seed for the item and the turn), so
+a resumed run samples what the first attempt would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Dict, List, Sequence, Tuple
+
+from hpc_rl.messaging import p2p as exchange
+
+from .episodes import EpisodeReturn, Episodes, endpoint_of
+
+TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride (mod 2^31 - 1)
+
+
+def task_of(record) -> dict:
+    """What an episode sees of a prompt record: the dataset row's fields."""
+    return {"prompt": record.prompt, "answer": record.answer, "agent": record.agent, "task": record.task, "id": record.id}
+
+
+class EpisodeRunner:
+    def __init__(self, ctx):
+        from transformers import AutoTokenizer
+
+        from hpc_rl.agentic.contract import Limits, build_environment
+        from hpc_rl.serving.key import endpoint_key
+
+        self.ctx, a = ctx, ctx.cfg.env.agentic
+        self.agentic = a
+        self.episode = build_environment(a.environment)
+        self.limits = Limits(max_turns=a.max_turns, max_tokens=a.max_tokens, turn_timeout_s=a.turn_timeout_s,
+                             episode_timeout_s=a.episode_timeout_s, truncated_reward=a.truncated_reward)
+        # the chat template renders the environment's messages: the policy's own tokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(ctx.cfg.model.path)
+        self._key = endpoint_key()  # held in memory only (docs/security.md)
+
+    def run(self, works: Sequence[Episodes]) -> List[Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]]:
+        """Every generator's episodes of this round, concurrently; per work (its trajectories
+        and stats for the generator, its (index, reward, correct) for the driver)."""
+        return asyncio.run(self._run_all(works))
+
+    async def _run_all(self, works: Sequence[Episodes]):
+        return list(await asyncio.gather(*(self._run(w) for w in works)))
+
+    async def _run(self, work: Episodes):
+        a, ident = self.agentic, self.ctx.ident
+        url = f"http://{endpoint_of(self.ctx.store, ident.restart, work.engine)}"
+        return await episodes_at(url, self._key, self.episode, self.tokenizer, self.limits, a.tool_parser, work.sampling,
+                                 work.items, a.max_inflight_episodes)
+
+
+async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parser: str, sp, items,
+                      max_inflight: int) -> Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]:
+    """`items` ((index, record, seed)) as episodes against the endpoint at `url`, at most
+    `max_inflight` at once through one client whose pool holds as many connections:
+    (trajectories and stats, (index, reward, correct) per item)."""
+    from hpc_rl.agentic.runner import run_episode
+    from hpc_rl.serving.client import EndpointClient
+
+    sem = asyncio.Semaphore(max_inflight)
+    peak = {"now": 0, "max": 0}
+    async with EndpointClient(url, key, max_connections=max_inflight, timeout_s=limits.turn_timeout_s) as client:
+
+        def policy_of(seed: int):
+            turn = {"k": 0}
+
+            async def policy(prompt_ids: List[int], max_tokens: int):
+                turn["k"] += 1
+                out = await client.tokens(prompt_ids, max_tokens=min(max_tokens, sp.max_tokens), temperature=sp.temperature,
+                                          top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop,
+                                          seed=(seed + turn["k"] * TURN_SEED_STRIDE) % (2 ** 31 - 1))
+                return (out["token_ids"], out["logprobs"], out["weight_version_first"], out["weight_version_last"],
+                        out["finish_reason"])
+            return policy
+
+        async def one(i: int, record, seed: int):
+            async with sem:
+                peak["now"] += 1
+                peak["max"] = max(peak["max"], peak["now"])
+                try:
+                    return i, await run_episode(task_of(record), episode, policy_of(seed), tokenizer, limits, tool_parser)
+                finally:
+                    peak["now"] -= 1
+
+        done = await asyncio.gather(*(one(i, rec, seed) for i, rec, seed in items))
+    rows, scores, stats = [], [], {"episodes": 0.0, "max_inflight_episodes": float(peak["max"])}
+    for i, (sample_rows, result) in done:
+        rows.append((i, trained_row(sample_rows, result, tokenizer)))
+        scores.append((i, float(result.reward), result.correct))
+        for k in ("turns", "siblings", "tool_parse_errors", "changed_policy_tokens"):
+            stats[k] = stats.get(k, 0.0) + float(result.info.get(k, 0))
+        stats["episodes"] += 1
+        stats["truncated"] = stats.get("truncated", 0.0) + float(result.truncated)
+        stats["errors"] = stats.get("errors", 0.0) + float("error" in result.info)
+    return EpisodeReturn(rows, stats), scores
+
+
+def trained_row(rows, result, tokenizer):
+    """The row an episode contributes: its last sample (the one that holds the episode's
+    end). An episode whose history was rewritten has earlier sibling samples; they are
+    counted (`siblings`) and not yet trained on (docs/agentic.md). An episode without a
+    single policy token (it failed before the first turn) contributes an empty,
+    fully masked response on its prompt, so every prompt keeps its row."""
+    from hpc_rl.engines.rows import SampleRow
+
+    if rows:
+        return rows[-1]
+    return SampleRow([tokenizer.bos_token_id or 0], [], [], True, "", loss_mask=[], token_versions=[], turns=0)
+
+
+def serve_episodes(runner: EpisodeRunner, works: Sequence[Episodes], sources: Sequence[int], driver: int, set_phase) -> Dict[str, Any]:
+    """The env rank's round of a multi-turn collection: run, return each generator's
+    trajectories, then answer the driver with every reward when the order wants them."""
+    out = runner.run(works)
+    set_phase("wait_send")
+    for src, (back, _) in zip(sources, out):
+        exchange.send(back, src)
+    if works[0].wanted:
+        exchange.send([s for _, scores in out for s in scores], driver)
+    return {"episodes": sum(len(w.items) for w in works)}
