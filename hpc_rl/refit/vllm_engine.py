@@ -41,6 +41,9 @@ class SampleRow:
     # tokens were generated; they differ when a refit landed mid-sequence. Set by the generator.
     version_first: int = 0
     version_last: int = 0
+    loss_mask: Optional[List[int]] = None  # per response token; None = all 1 (single turn)
+    token_versions: Optional[List[int]] = None  # per response token weight version (-1 env tokens)
+    turns: int = 1
 
 
 def pad_rows(rows: Sequence[SampleRow], pad_id: int) -> Rollouts:
