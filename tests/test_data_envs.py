@@ -197,4 +197,4 @@ def test_registry_scores_by_task_and_rejects_unknown_tasks():
     assert score("reverse", "esroh", "esroh").reward == 1.0
     with pytest.raises(UnknownTaskError) as err:
         score("poetry", "roses", "red")
-    assert str(err.value) == "no verifier for task 'poetry'; known tasks: addition, math, multiplication, reverse"
+    assert str(err.value) == "no verifier for task 'poetry'; known tasks: addition, calculator, math, multiplication, reverse"

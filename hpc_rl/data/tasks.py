@@ -86,12 +86,21 @@ def multiplication_1digit(n: int, seed: int = 0) -> List[dict]:
                        "mul_agent", "multiplication")
 
 
+def calculator(n: int, seed: int = 0) -> List[dict]:
+    """Two 2-digit operands (10..99) multiplied, one template: the agentic task
+    (hpc_rl/agentic/calculator.py), beyond the tiny models' own arithmetic; a tool user
+    copies the operands into a calculator call and the tool's answer back."""
+    return _arithmetic("calculator", n, seed, (10, 99), (10, 99), MUL_TEMPLATES[:1], operator.mul, "calc_agent",
+                       "calculator")
+
+
 GENERATORS: Dict[str, Callable[[int, int], List[dict]]] = {
     "addition": addition,
     "multiplication": multiplication,
     "reverse": reverse,
     "addition_1digit": addition_1digit,
     "multiplication_1digit": multiplication_1digit,
+    "calculator": calculator,
 }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
+from hpc_rl.agentic.calculator import verify_calculator
+
 from .math_verifier import VerifierResult, verify_math
 from .string_tasks import verify_reverse
 
@@ -14,6 +16,8 @@ VERIFIERS: Dict[str, Verifier] = {
     "multiplication": verify_math,
     "math": verify_math,
     "reverse": verify_reverse,
+    # the final answer of the agentic calculator task (hpc_rl/agentic/calculator.py): one integer
+    "calculator": verify_calculator,
 }
 
 

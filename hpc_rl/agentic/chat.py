@@ -1,0 +1,79 @@
+"""The chat an episode talks through: OpenAI-shaped messages in, the policy's assistant
+message out, every token recorded in a TokenHistory on the way.
+
+The episode keeps its own message list and passes all of it each call, as with an OpenAI
+client. The assistant messages this chat returned are recognised in that list and rendered
+as what the policy actually wrote (content = the decoded generation), so the rendering of
+the conversation so far matches the ids the history holds; anything the episode changed
+(or a message the chat never returned) is rendered as given, and a history that no longer
+matches becomes a sibling sample (history.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import List, Optional
+
+from .contract import Limits, Policy, Truncated
+from .history import TokenHistory
+from .tools import parse_tool_calls, tool_parser
+
+
+class RecordingChat:
+    def __init__(self, policy: Policy, tokenizer, limits: Limits = Limits(), tool_parser_name: str = "pythonic",
+                 template_kwargs: Optional[dict] = None):
+        self.policy = policy
+        self.tok = tokenizer
+        self.limits = limits
+        self.turn_timeout_s = limits.turn_timeout_s
+        self.tool_parser_name = tool_parser_name
+        self.history = TokenHistory(tokenizer, template_kwargs)
+        self.turns = 0
+        self.tool_parse_errors = 0  # turns that opened a tool call the parser could not read
+        self.hit_token_cap = False  # a turn was cut off by the trajectory's max_tokens
+        self._returned: List[tuple] = []  # (the message as returned, the message as generated)
+
+    def _as_generated(self, m: dict) -> dict:
+        for returned, generated in self._returned:
+            if m == returned:
+                return generated
+        return m
+
+    async def __call__(self, messages: List[dict], tools: Optional[list] = None) -> dict:
+        lim = self.limits
+        if self.turns >= lim.max_turns:
+            raise Truncated("max_turns")
+        ids = self.history.prompt([self._as_generated(m) for m in messages], tools)
+        budget = lim.max_tokens - len(ids)
+        if budget <= 0:
+            raise Truncated("max_tokens")
+        n = min(budget, lim.max_tokens_per_turn or budget)
+        try:
+            # a copy: the policy (a client, an engine) must not be able to alias the record
+            out = await asyncio.wait_for(self.policy(list(ids), n), lim.turn_timeout_s)
+        except asyncio.TimeoutError:
+            raise Truncated("turn_timeout") from None
+        gen_ids, logprobs, v_first, v_last, finish = out[:5]
+        versions = out[5] if len(out) > 5 else None
+        self.history.add_policy(gen_ids, logprobs, v_first, v_last, finish, versions)
+        turn = self.turns
+        self.turns += 1
+        if finish == "length" and n == budget:
+            self.hit_token_cap = True
+        text = self.tok.decode(list(gen_ids), skip_special_tokens=True)
+        generated = {"role": "assistant", "content": text}
+        content, calls = text, []
+        if tools:  # as vLLM's server: calls are parsed only when the request offered tools
+            content, calls, malformed = parse_tool_calls(tool_parser(self.tool_parser_name, self.tok), text, turn,
+                                                         self.tool_parser_name)
+            self.tool_parse_errors += malformed
+        msg = {"role": "assistant", "content": content, "tool_calls": calls}
+        # compared by value with a copy: an episode that edits the message afterwards gets it
+        # rendered as edited (and, as it no longer matches the ids, a sibling sample)
+        self._returned.append((copy.deepcopy(msg), generated))
+        return msg
+
+    async def chat(self, messages: List[dict], tools: Optional[list] = None) -> dict:
+        """The same call as `await chat(messages)`, spelled as a client method."""
+        return await self(messages, tools)

@@ -1,0 +1,113 @@
+"""Run episodes concurrently and turn them into trajectories (SampleRows with a loss mask).
+
+Concurrency is one asyncio.Semaphore(max_inflight) and nothing else: no actor pool, no
+connection pool between the episodes and the policy's default limits (the anchors' users
+found Ray's default actor concurrency and aiohttp's 100-connection default capping rollouts
+silently). The peak reached is reported, so a cap that bites shows up as a number.
+
+An episode that raises is scored 0 and counted (`errors`), never a crash of the batch; one
+that hits a limit is marked truncated and scored `Limits.truncated_reward`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from hpc_rl.engines.rows import SampleRow
+
+from .chat import RecordingChat
+from .contract import Episode, EpisodeResult, Limits, Policy, Truncated
+from .history import changed_policy_tokens
+
+
+async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, limits: Limits = Limits(),
+                      tool_parser: str = "pythonic", template_kwargs: Optional[dict] = None
+                      ) -> Tuple[List[SampleRow], EpisodeResult]:
+    """One episode: (its rows, possibly empty when no policy token was generated, its result).
+    result.info holds turns, siblings, tool_parse_errors, changed_policy_tokens, and
+    `truncated_by` or `error` when it applies."""
+    chat = RecordingChat(policy, tokenizer, limits, tool_parser, template_kwargs)
+    try:
+        result = await asyncio.wait_for(episode.run(task, chat), limits.episode_timeout_s)
+        if chat.hit_token_cap and not result.truncated:
+            # the policy was still writing when the trajectory's token budget ran out: what
+            # the environment made of the cut text is not the episode's real outcome
+            result = EpisodeResult(limits.truncated_reward, False, True, dict(result.info, truncated_by="max_tokens"))
+    except Truncated as t:
+        result = EpisodeResult(limits.truncated_reward, False, True, {"truncated_by": t.reason})
+    except asyncio.TimeoutError:
+        result = EpisodeResult(limits.truncated_reward, False, True, {"truncated_by": "episode_timeout"})
+    except Exception as exc:  # the environment's bug or a failed policy call: this episode only
+        result = EpisodeResult(0.0, False, False, {"error": f"{type(exc).__name__}: {exc}"})
+    rows = chat.history.rows(truncated=result.truncated)
+    result.info.update(turns=chat.turns, siblings=chat.history.siblings, tool_parse_errors=chat.tool_parse_errors,
+                       changed_policy_tokens=changed_policy_tokens(rows, chat.history.row_turns()))
+    return rows, result
+
+
+@dataclass
+class EpisodeBatch:
+    """What `run_episodes` returns: per task (rows, result), in the tasks' order, and counts."""
+
+    episodes: List[Tuple[List[SampleRow], EpisodeResult]] = field(default_factory=list)
+    max_inflight: int = 0  # the most episodes that ran at once
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    def __iter__(self):
+        return iter(self.episodes)
+
+    def __getitem__(self, i):
+        return self.episodes[i]
+
+    def metrics(self) -> dict:
+        results = [r for _, r in self.episodes]
+        rows = [row for rs, _ in self.episodes for row in rs]
+        policy = sum(sum(r.loss_mask) if r.loss_mask is not None else len(r.response_ids) for r in rows)
+        n = max(1, len(results))
+        return {
+            "episodes": len(results),
+            "errors": sum("error" in r.info for r in results),
+            "truncated": sum(r.truncated for r in results),
+            "siblings": sum(r.info.get("siblings", 0) for r in results),
+            "turns": sum(r.info.get("turns", 0) for r in results),
+            "tool_parse_errors": sum(r.info.get("tool_parse_errors", 0) for r in results),
+            "changed_policy_tokens": sum(r.info.get("changed_policy_tokens", 0) for r in results),
+            "policy_tokens": policy,
+            "env_tokens": sum(len(r.response_ids) for r in rows) - policy,
+            "mean_reward": sum(r.reward for r in results) / n,
+            "accuracy": sum(bool(r.correct) for r in results) / n,
+            "max_inflight": self.max_inflight,
+            "seconds": self.seconds,
+        }
+
+
+async def run_episodes(tasks: Sequence[dict], env: Episode, policy: Policy, limits: Limits, tokenizer,
+                       max_inflight: int, tool_parser: str = "pythonic",
+                       template_kwargs: Optional[dict] = None) -> EpisodeBatch:
+    """Every task's episode, at most `max_inflight` at once."""
+    if max_inflight < 1:
+        raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+    sem = asyncio.Semaphore(max_inflight)
+    batch = EpisodeBatch()
+    running = 0
+
+    async def one(task: dict):
+        nonlocal running
+        async with sem:
+            running += 1
+            batch.max_inflight = max(batch.max_inflight, running)
+            try:
+                return await run_episode(task, env, policy, tokenizer, limits, tool_parser, template_kwargs)
+            finally:
+                running -= 1
+
+    t0 = time.perf_counter()
+    batch.episodes = list(await asyncio.gather(*(one(t) for t in tasks)))
+    batch.seconds = time.perf_counter() - t0
+    return batch
