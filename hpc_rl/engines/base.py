@@ -39,6 +39,15 @@ class InferenceEngine(Protocol):
         weight versions of its tokens; `between_steps` runs between the engine's scheduler
         steps (in-flight refits land there)."""
 
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer: its endpoint renders chats with its chat template."""
+
+    def serve(self, requests: Any, until: Callable[[], bool], between_steps: Optional[Callable[[], None]] = None) -> Any:
+        """Serve the endpoint's queued requests (hpc_rl/serving/loop.py `RequestQueue`),
+        continuously batched, until `until()` is true and none is pending; `between_steps`
+        as in `sample`. Returns the serving loop's figures (`ServeStats`)."""
+
     def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """The live model's parameters (name -> local shape, dtype): the destination layout
         is checked against them before the first refit."""

@@ -56,6 +56,15 @@ class VLLMEngine:
                                 min_tokens=sampling.min_tokens,
                                 between_steps=between_steps)
 
+    @property
+    def tokenizer(self):
+        return self.vllm.tokenizer
+
+    def serve(self, requests, until: Callable[[], bool], between_steps: Optional[Callable[[], None]] = None):
+        from hpc_rl.serving import serve
+
+        return serve(self.vllm, requests, until, between_steps)
+
     def params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         return self.vllm.params()
 

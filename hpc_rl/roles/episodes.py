@@ -67,8 +67,6 @@ class EngineEndpoint:
     def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, float]]:
         """Hand the order's items to the env rank, serve the engine until its trajectories
         come back; returns the rows in the order's item order and the episodes' stats."""
-        from hpc_rl.serving import serve
-
         exchange.send(Episodes(self.index, order.score_env, order.step, order.train, order.items, order.sampling), env_rank)
         box: List[Any] = []
 
@@ -80,7 +78,7 @@ class EngineEndpoint:
 
         waiter = threading.Thread(target=wait_for_env, name="episodes-reply", daemon=True)
         waiter.start()
-        served = serve(self.engine, self.requests, until=lambda: not waiter.is_alive(), between_steps=between_steps)
+        served = self.engine.serve(self.requests, until=lambda: not waiter.is_alive(), between_steps=between_steps)
         waiter.join()
         if isinstance(box[0], BaseException):
             raise RuntimeError(f"env rank {env_rank} did not return the episodes of step {order.step}: {box[0]}") from box[0]
