@@ -4,7 +4,7 @@ vLLM's sampling logprobs with the trainer after every refit (fp32 and bf16 engin
 Each part is a real launch (`python -m hpc_rl.launch +recipe=...`, local processes); the
 numbers come from the runs' summary.json and metrics.jsonl. Writes bench/results/rl.json.
 
-    python bench/rl_results.py [--only mopd,grpo,bf16,moe,moe_dp,engine_tp2,engine_span]
+    python bench/rl_results.py [--only mopd,grpo,bf16,moe,moe_dp,engine_tp2,engine_span,agentic_mopd,agentic_grpo]
 """
 
 from __future__ import annotations
@@ -84,6 +84,30 @@ def main() -> int:
             s = r["summary"]
             r["targets"] = {"mean_reward_rises": s.get("reward_last_steps_mean", 0) > s.get("reward_first_steps_mean", 1)}
             results["tiny_grpo"] = r
+            print(r["stdout_tail"])
+        # multi-turn, tool-using episodes (#26): the calculator task through the generator's endpoint
+        agentic = {"agentic_mopd": ("tiny_agentic_mopd", "+recipe=tiny_agentic"),
+                   "agentic_grpo": ("tiny_agentic_grpo", "+recipe=tiny_agentic_grpo")}
+        for part, (key, *overrides) in agentic.items():
+            if part not in parts:
+                continue
+            r = launch(tmp / part, *overrides)
+            s = r["summary"]
+            r["overrides"] = overrides
+            steps = [json.loads(x) for x in RunDir(tmp / part).metrics.read_text().splitlines()]
+            steps = [x for x in steps if x["kind"] == "step"]
+            r["per_step_agentic"] = [x.get("agentic") for x in steps]
+            r["changed_policy_tokens_total"] = sum(x["agentic"]["changed_policy_tokens"] for x in steps)
+            r["reverse_kl_reduction"] = s.get("reverse_kl_reduction")
+            errs = [e for e in r["per_step_token_mult_prob_error"] if e is not None]
+            r["targets"] = {"max_token_mult_prob_error_at_most": 1.001, "refit_met": bool(errs) and max(errs) <= 1.001,
+                            "changed_policy_tokens": 0, "exact_met": r["changed_policy_tokens_total"] == 0}
+            if part == "agentic_mopd":
+                r["targets"].update({"reverse_kl_cut_at_least": 0.5, "met": (s.get("reverse_kl_reduction") or {}).get("calc", 0) >= 0.5})
+            else:
+                r["targets"]["met"] = s.get("reward_last_steps_mean", 0) > s.get("reward_first_steps_mean", 1)
+            r["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            results[key] = r
             print(r["stdout_tail"])
         if "bf16" in parts:
             # bf16 engine against the fp32 trainer, after each of 8 refits

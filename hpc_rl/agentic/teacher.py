@@ -132,20 +132,26 @@ def build_agentic_assets(spec, root: Optional[Path] = None, log: Callable[[str],
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     tok = build_tokenizer(tmp / "tokenizer")
-    log(f"[assets] training {spec.name} on calculator transcripts ({spec.steps} steps)")
-    model = new_model(spec.model, len(tok), tok, spec.seed)
-    loss = train_teacher(model, tok, spec, log)
-    train_s = time.time() - t0
-    acc = episode_accuracy(model, tok, spec.eval_samples)
-    log(f"[assets] {spec.name}: loss {loss:.3f}, greedy multi-turn {acc}")
-    if acc["accuracy"] < spec.min_accuracy:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"{spec.name}: greedy multi-turn accuracy {acc['accuracy']:.3f} < {spec.min_accuracy}")
-    model.save_pretrained(tmp / spec.name, safe_serialization=True)
-    tok.save_pretrained(tmp / spec.name)
-    manifest = {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec),
-                "models": {spec.name: {"tasks": ["calculator"], "final_loss": loss, "greedy_episodes": acc,
-                                       "params": sum(p.numel() for p in model.parameters()), "train_seconds": train_s}},
+    models = {}
+    # the teacher, then the students: the same training for fewer steps (agentic recipes'
+    # students have seen a little of the tool, as the tiny students have of every task)
+    for name, steps, floor in [(spec.name, spec.steps, spec.min_accuracy)] + [(n, k, 0.0) for n, k in spec.students]:
+        one = dataclasses.replace(spec, name=name, steps=steps)
+        log(f"[assets] training {name} on calculator transcripts ({steps} steps)")
+        t1 = time.time()
+        model = new_model(spec.model, len(tok), tok, spec.seed)
+        loss = train_teacher(model, tok, one, log)
+        train_s = time.time() - t1
+        acc = episode_accuracy(model, tok, spec.eval_samples)
+        log(f"[assets] {name}: loss {loss:.3f}, greedy multi-turn {acc}")
+        if acc["accuracy"] < floor:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"{name}: greedy multi-turn accuracy {acc['accuracy']:.3f} < {floor}")
+        model.save_pretrained(tmp / name, safe_serialization=True)
+        tok.save_pretrained(tmp / name)
+        models[name] = {"tasks": ["calculator"], "train_steps": steps, "final_loss": loss, "greedy_episodes": acc,
+                        "params": sum(p.numel() for p in model.parameters()), "train_seconds": train_s}
+    manifest = {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec), "models": models,
                 "build_seconds": time.time() - t0}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     root.mkdir(parents=True, exist_ok=True)

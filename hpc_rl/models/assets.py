@@ -140,6 +140,10 @@ class AgenticAssetSpec:
     seed: int = 4
     eval_samples: int = 64
     min_accuracy: float = 0.9  # greedy multi-turn, held out: a build below it fails, uncached
+    # Students trained the same way for fewer steps (name, steps), measured here (seed 4,
+    # greedy, 64 held-out prompts): 100 steps 0% (calls the tool, miscopies its answer: the
+    # agentic MOPD student), 200 steps 80% (the agentic GRPO student: rewards to sharpen).
+    students: Tuple[Tuple[str, int], ...] = (("student_calc", 100), ("student_calc_200", 200))
 
     def key(self) -> str:
         blob = json.dumps([ASSET_VERSION, "agentic", dataclasses.asdict(self)], sort_keys=True)
