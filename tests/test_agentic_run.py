@@ -1,5 +1,8 @@
 """`+recipe=tiny_agentic` end to end, locally, for 2 steps: multi-turn calculator episodes
 run by the env rank against the generator's endpoint, distilled from the tool-using teacher.
+The environment is a user's own, loaded by `module:factory` from tests/agentic_envs.py: the
+calculator, plus a follow-up on a compacted history in about half of the episodes, so the
+run holds plain multi-turn trajectories and sibling samples (rl/siblings.py).
 
 The student here is the tool-using teacher itself (tiny_agentic:teacher_calc), so the
 episodes really take several turns from the first step: the test is about the mechanics
@@ -68,10 +71,12 @@ def agentic_run(tmp_path_factory):
     from hpc_rl.serving import endpoint_key
 
     run = tmp_path_factory.mktemp("agentic") / "run"
-    env = dict(os.environ)
+    tests = str(Path(__file__).resolve().parent)  # agentic_envs, for the launcher's validation and the env rank
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_agentic", "run.max_steps=2", f"run.dir={run}",
                              "model.path=tiny_agentic:teacher_calc", "algo.prompts_per_step=16", "trainer.global_batch_size=32",
-                             "data.samples_per_task=64", "data.eval_prompts_per_task=8", "checkpoint.every_steps=2"],
+                             "data.samples_per_task=64", "data.eval_prompts_per_task=8", "checkpoint.every_steps=2",
+                             "env.agentic.environment=agentic_envs:compacting_calculator"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     knocks = {}
     try:
@@ -118,12 +123,15 @@ def test_multi_turn_trajectories_are_token_exact_and_only_the_policys_tokens_tra
         assert a["episodes"] == 32 and a["errors"] == 0
         assert a["changed_policy_tokens"] == 0  # no policy token changed between turns
         assert a["turns"] > 1.5 * a["episodes"], a  # the tool-using policy takes two turns
+        # compacted histories: their earlier samples are rows of their own, trained and scored
+        assert 0 < a["siblings"] < a["episodes"] and s["samples"] == a["episodes"] + a["siblings"], (a, s["samples"])
         assert 1.0 <= s["token_mult_prob_error"] <= 1.001, s  # fp32: trainer vs vLLM on the stored ids
         # the student is the teacher: the teacher rank, scoring the same stored ids in their full
         # multi-turn context, must give the student's own log-probs (same model, fp32)
         assert s["reverse_kl"]["calc"] < 1e-4, s["reverse_kl"]
     with h5py.File(run / "rollouts.h5") as f:
         g = f["step_000002"]
+        assert g["input_ids"].shape[0] == steps[1]["samples"]  # the siblings' rows are stored too
         mask, attn, turn = g["response_mask"][:], g["attention_mask"][:], g["turn_index"][:]
         # environment tokens inside the response: in the context (attended), not trained (mask 0)
         inside = (turn >= 0) & (attn == 1)

@@ -164,11 +164,30 @@ def known_environments() -> List[str]:
     return sorted(_ENVIRONMENTS)
 
 
+def environment_factory(name: str) -> Callable[..., Episode]:
+    """A registered name, or `package.module:factory`: a user's environment importable on the
+    env ranks (their PYTHONPATH or an installed package), no registration needed. KeyError
+    names what is missing."""
+    if name in _ENVIRONMENTS:
+        return _ENVIRONMENTS[name]
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise KeyError(f"no agentic environment {name!r}; known: {', '.join(known_environments())}, "
+                       f"or a 'package.module:factory' the env ranks can import")
+    import importlib
+
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"agentic environment {name!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    if not callable(factory):
+        raise KeyError(f"agentic environment {name!r}: {attr} is not callable (a factory returning an Episode)")
+    return factory
+
+
 def build_environment(name: str, **cfg) -> Episode:
     """The Episode a config names (`env.agentic.environment`), built with the config's keys."""
-    if name not in _ENVIRONMENTS:
-        raise KeyError(f"no agentic environment {name!r}; known: {', '.join(known_environments())}")
-    return _ENVIRONMENTS[name](**cfg)
+    return environment_factory(name)(**cfg)
 
 
 def _calculator(**cfg) -> Episode:

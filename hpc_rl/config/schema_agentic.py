@@ -17,8 +17,9 @@ class AgenticConfig(Traced):
     through their generator's endpoint (hpc_rl/serving/) and call tools; each episode
     becomes a token-exact trajectory in which only the policy's tokens are trained on."""
 
-    # A registered environment (hpc_rl/agentic/registry: calculator, ...). None: single-turn
-    # verifiers score one answer per prompt (no endpoint is started).
+    # A registered environment (hpc_rl/agentic/contract.py: calculator, single_turn) or a
+    # 'package.module:factory' the env ranks import. None: single-turn verifiers score one
+    # answer per prompt (no endpoint is started).
     environment: Optional[str] = None
     max_turns: int = 4  # the policy's turns per episode; an episode still going after them is truncated
     # Tokens per trajectory, the first prompt included (the context the policy must hold); a

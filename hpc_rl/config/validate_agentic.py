@@ -12,12 +12,14 @@ def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
     a = cfg.env.agentic
     if a.environment is None:
         return
-    from hpc_rl.agentic.contract import known_environments
+    from hpc_rl.agentic.contract import environment_factory, known_environments
 
-    names = known_environments()
-    if a.environment not in names:
-        out.append(Violation("env.agentic.environment", a.environment, "is not a registered environment",
-                             f"set env.agentic.environment to one of {sorted(names)} (or null for single-turn verifiers)"))
+    try:
+        environment_factory(a.environment)
+    except KeyError as exc:
+        out.append(Violation("env.agentic.environment", a.environment, str(exc.args[0]),
+                             f"set env.agentic.environment to one of {known_environments()}, a 'package.module:factory' "
+                             "importable here and on the env ranks, or null for single-turn verifiers"))
     for key in ("max_turns", "max_tokens", "turn_timeout_s", "episode_timeout_s", "max_inflight_episodes"):
         check_positive(out, f"env.agentic.{key}", getattr(a, key))
     if cfg.env.nodes < 1:

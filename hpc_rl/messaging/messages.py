@@ -81,6 +81,14 @@ class Batch:
     advantages: Optional[torch.Tensor] = None  # [B, T], set by the train step
     timing: Dict[str, float] = field(default_factory=dict)
     info: Dict[str, Any] = field(default_factory=dict)  # the step's rollout metrics (async: buffer depth, ages)
+    # rows after the collection's items are sibling samples of multi-turn episodes: the item
+    # each belongs to (rl/siblings.py)
+    sibling_of: List[int] = field(default_factory=list)
+
+    @property
+    def items(self) -> int:
+        """The collection's items (prompts x generations), its sibling samples left out."""
+        return len(self.rows) - len(self.sibling_of)
 
     def set_teacher_scores(self, scores: Dict[int, List[float]], aliases: List[str]) -> None:
         tlp = torch.zeros_like(self.rollouts.generation_logprobs)

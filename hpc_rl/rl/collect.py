@@ -18,6 +18,8 @@ from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import COLLECT, TEACHER_EVAL, Batch, Order, request_seed
 from hpc_rl.messaging.routes import Routes
 
+from . import siblings
+
 
 def merge_episode_stats(total: Dict[str, float], part: Dict[str, float]) -> Dict[str, float]:
     """The episodes' figures of several generators: maxima stay maxima, the rest add up."""
@@ -62,20 +64,24 @@ class Collector:
             seeds = {i: request_seed(cfg.run.seed, stream, step, i) for i in range(len(records))}
             self.order(COLLECT, step, records, seeds=seeds, sampling=sampling, score_env=score_env,
                        score_teachers=score_teachers, train=train, refit_after=step if train else None)
-            rows, versions, _, episodes = self.gather_rows(len(records))
-            head = ("rows", records, rows, versions, episodes)
+            rows, versions, _, episodes, sibs = self.gather_rows(len(records))
+            n_items = len(records)
+            records, rows, sibling_of, sibling_index = siblings.expand(records, rows, sibs)
+            head = ("rows", records, rows, versions, episodes, sibling_of)
         head = exchange.share(head, r.driver, self.group)
         if head[0] == "stop":
             return head[1]
-        _, records, rows, versions, episodes = head
+        _, records, rows, versions, episodes, sibling_of = head
         t_gen = time.perf_counter()
-        batch = Batch(records, rows, pad_rows(rows, self.pad_id), versions)
+        batch = Batch(records, rows, pad_rows(rows, self.pad_id), versions, sibling_of=sibling_of)
         if episodes:
             batch.info["agentic"] = episodes
         self.ctx.set_phase("logprobs")
         batch.student_logprobs = self.trainer.student_logprobs(rows)
         self.ctx.set_phase("wait_scores")  # env ranks and teacher groups answer the driver
-        scores = self._scores(len(rows), score_env, score_teachers) if self.is_driver else None
+        scores = None
+        if self.is_driver:
+            scores = siblings.expand_scores(*self._scores(n_items, score_env, score_teachers), sibling_of, sibling_index)
         rewards, correct, teacher = exchange.share(scores, r.driver, self.group)
         if rewards is not None:
             batch.rewards, batch.correct = torch.tensor(rewards, dtype=torch.float32), correct
@@ -87,41 +93,46 @@ class Collector:
     def gather_rows(self, n: int):
         """Driver: every generator's rows of the outstanding collection, in request order;
         the engines' versions, their sampling seconds, and (multi-turn collections) the
-        episodes' figures summed over the generators (roles/episodes.py)."""
+        episodes' figures summed over the generators (roles/episodes.py) and the sibling
+        samples of rewritten histories ((index, k), row) (rl/siblings.py)."""
         rows: List = [None] * n
-        versions, gen_s, episodes = set(), [], {}
+        versions, gen_s, episodes, sibs = set(), [], {}, []
         for rank in self.routes.generators:
             version, piece, seconds, stats = exchange.recv(rank)
             versions.add(version)
             gen_s.append(seconds)
-            for i, row in piece:
+            mine, theirs = siblings.split(piece)
+            for i, row in mine:
                 rows[i] = row
+            sibs += theirs
             episodes = merge_episode_stats(episodes, stats)
-        return rows, sorted(versions), gen_s, episodes
+        return rows, sorted(versions), gen_s, episodes, sibs
 
     def gather(self, records: List[PromptRecord], score_env: bool, score_teachers: bool):
         """Driver, asynchronous rollouts: the whole outstanding collection (rows and every
         scorer's answer) as plain data the rollout buffer keeps and a checkpoint saves."""
-        rows, versions, gen_s, episodes = self.gather_rows(len(records))
+        rows, versions, gen_s, episodes, sibs = self.gather_rows(len(records))
         score_env, score_teachers = score_env and bool(self.routes.envs), score_teachers and bool(self.routes.teachers)
         rewards, correct, teacher = self._scores(len(rows), score_env, score_teachers)
         return {"records": records, "rows": rows, "versions": versions, "rewards": rewards, "correct": correct,
-                "teacher": teacher, "generate_busy_s": max(gen_s) if gen_s else 0.0, "agentic": episodes}
+                "teacher": teacher, "generate_busy_s": max(gen_s) if gen_s else 0.0, "agentic": episodes,
+                "siblings": sibs}
 
     def batch_of(self, gathered) -> Batch:
         """Every trainer rank: the Batch of a gathered collection (the driver's, shared in
         the trainer group), with the student's log-probs."""
         g = exchange.share(gathered, self.routes.driver, self.group)
-        rows = g["rows"]
-        batch = Batch(g["records"], rows, pad_rows(rows, self.pad_id), g["versions"])
+        records, rows, sibling_of, index = siblings.expand(g["records"], g["rows"], g.get("siblings", []))
+        rewards, correct, teacher = siblings.expand_scores(g["rewards"], g["correct"], g["teacher"], sibling_of, index)
+        batch = Batch(records, rows, pad_rows(rows, self.pad_id), g["versions"], sibling_of=sibling_of)
         if g.get("agentic"):
             batch.info["agentic"] = g["agentic"]
         self.ctx.set_phase("logprobs")
         batch.student_logprobs = self.trainer.student_logprobs(rows)
-        if g["rewards"] is not None:
-            batch.rewards, batch.correct = torch.tensor(g["rewards"], dtype=torch.float32), g["correct"]
-        if g["teacher"] is not None:
-            batch.set_teacher_scores(g["teacher"], [self.router.route(x.agent) for x in g["records"]])
+        if rewards is not None:
+            batch.rewards, batch.correct = torch.tensor(rewards, dtype=torch.float32), correct
+        if teacher is not None:
+            batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in records])
         return batch
 
     def _scores(self, n: int, score_env: bool, score_teachers: bool):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
+from .siblings import keep_items
+
 
 def ages(first_versions: Sequence[int], policy_version: int) -> List[int]:
     return [policy_version - v for v in first_versions]
@@ -42,6 +44,9 @@ def drop_stale(gathered: Dict[str, Any], policy_version: int, bound: int, group_
     for key in ("rewards", "correct"):
         if gathered.get(key) is not None:
             out[key] = [gathered[key][i] for i in keep]
-    if gathered.get("teacher") is not None:
-        out["teacher"] = {new_index[i]: lps for i, lps in gathered["teacher"].items() if i in new_index}
+    if gathered.get("teacher") is not None:  # keyed by item, or (item, k) for a sibling sample (rl/siblings.py)
+        out["teacher"] = {(new_index[i] if isinstance(i, int) else (new_index[i[0]], i[1])): lps
+                          for i, lps in gathered["teacher"].items() if (i if isinstance(i, int) else i[0]) in new_index}
+    if gathered.get("siblings"):
+        out["siblings"] = keep_items(gathered["siblings"], new_index)
     return out, len(rows) - len(keep)

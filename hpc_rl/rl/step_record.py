@@ -71,7 +71,7 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
                        "changed_mid_sample": sum(a != z for a, z in zip(first, last)),
                        "age": age_histogram(first, step - 1)}
     if b.rewards is not None:
-        rec["reward_mean"] = float(b.rewards.mean())
+        rec["reward_mean"] = float(b.rewards[:b.items].mean())  # per episode: sibling samples repeat theirs
         rec["accuracy"] = accuracy_by_task(b.records, b.correct)
     if b.teacher_logprobs is not None:
         rec["reverse_kl"] = reverse_kl(b)

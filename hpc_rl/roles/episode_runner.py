@@ -92,7 +92,7 @@ async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parse
         done = await asyncio.gather(*(one(i, rec, seed) for i, rec, seed in items))
     rows, scores, stats = [], [], {"episodes": 0.0, "max_inflight_episodes": float(peak["max"])}
     for i, (sample_rows, result) in done:
-        rows.append((i, trained_row(sample_rows, result, tokenizer)))
+        rows.append((i, trained_rows(sample_rows, tokenizer)))
         scores.append((i, float(result.reward), result.correct))
         for k in ("turns", "siblings", "tool_parse_errors", "changed_policy_tokens"):
             stats[k] = stats.get(k, 0.0) + float(result.info.get(k, 0))
@@ -102,17 +102,17 @@ async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parse
     return EpisodeReturn(rows, stats), scores
 
 
-def trained_row(rows, result, tokenizer):
-    """The row an episode contributes: its last sample (the one that holds the episode's
-    end). An episode whose history was rewritten has earlier sibling samples; they are
-    counted (`siblings`) and not yet trained on (docs/agentic.md). An episode without a
-    single policy token (it failed before the first turn) contributes an empty,
-    fully masked response on its prompt, so every prompt keeps its row."""
+def trained_rows(rows, tokenizer):
+    """The rows an episode contributes: its samples, the last (the one that holds the
+    episode's end) last; an episode whose history was rewritten has earlier sibling samples
+    (rl/siblings.py). An episode without a single policy token (it failed before the first
+    turn) contributes an empty, fully masked response on a one-token prompt, so every
+    prompt keeps its row."""
     from hpc_rl.engines.rows import SampleRow
 
     if rows:
-        return rows[-1]
-    return SampleRow([tokenizer.bos_token_id or 0], [], [], True, "", loss_mask=[], token_versions=[], turns=0)
+        return list(rows)
+    return [SampleRow([tokenizer.bos_token_id or 0], [], [], True, "", loss_mask=[], token_versions=[], turns=0)]
 
 
 def serve_episodes(runner: EpisodeRunner, works: Sequence[Episodes], sources: Sequence[int], driver: int, set_phase) -> Dict[str, Any]:

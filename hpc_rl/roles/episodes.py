@@ -43,7 +43,7 @@ class Episodes:
 class EpisodeReturn:
     """The env rank's answer to its generator: one trajectory per item, and what happened."""
 
-    rows: List[Tuple[int, Any]]  # (index, SampleRow)
+    rows: List[Tuple[int, List[Any]]]  # (index, its SampleRows: earlier siblings first, the episode's end last)
     stats: Dict[str, float] = field(default_factory=dict)
 
 
@@ -66,7 +66,8 @@ class EngineEndpoint:
 
     def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, float]]:
         """Hand the order's items to the env rank, serve the engine until its trajectories
-        come back; returns the rows in the order's item order and the episodes' stats."""
+        come back; returns each item's rows (siblings first, its last sample last) in the
+        order's item order, and the episodes' stats."""
         exchange.send(Episodes(self.index, order.score_env, order.step, order.train, order.items, order.sampling), env_rank)
         box: List[Any] = []
 

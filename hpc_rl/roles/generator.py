@@ -168,8 +168,11 @@ class GeneratorRole:
         env = self.routes.env_of(self.index)
         poll = self._poll_in_flight if order.refit_in_flight is not None else None
         multi_turn = order.kind == COLLECT and self.episodes is not None
+        siblings: List[Any] = []  # ((index, k), record, row): earlier samples of rewritten histories (rl/siblings.py)
         if multi_turn:  # the env rank runs the episodes against the endpoint; it scores them itself
-            rows, self.episode_stats = self.episodes.collect(order, env, poll)
+            groups, self.episode_stats = self.episodes.collect(order, env, poll)
+            rows = [g[-1] for g in groups]
+            siblings = [((i, k), rec, r) for (i, rec, _), g in zip(order.items, groups) for k, r in enumerate(g[:-1], 1)]
         elif order.kind == COLLECT and order.items:
             rows = self.engine.sample([r.prompt for _, r, _ in order.items], order.sampling,
                                       [seed for _, _, seed in order.items], between_steps=poll)
@@ -179,14 +182,15 @@ class GeneratorRole:
         if env is not None and not multi_turn:
             exchange.send(Work(order.kind, order.kind == COLLECT and order.score_env, order.step, order.train, items), env)
         wanted_t = order.kind == TEACHER_EVAL or (order.kind == COLLECT and order.score_teachers)
-        by_group = self.router.split_by_group([rec.agent for _, rec, _ in items]) if self.routes.teachers else {}
+        scored = items + siblings  # a sibling is scored like any row, under its (index, k) key
+        by_group = self.router.split_by_group([rec.agent for _, rec, _ in scored]) if self.routes.teachers else {}
         for group in self.routes.teachers:  # every head hears from every generator, even with nothing routed
-            mine = [items[k] for k in by_group.get(group, [])]
+            mine = [scored[k] for k in by_group.get(group, [])]
             exchange.send(Work(order.kind, wanted_t, order.step, order.train, mine), self.routes.teacher_head(group))
         if not self.in_flight["landed"]:  # sampling ended first: the trainer sends it after its train step
             self._refit(order.refit_in_flight)
         if order.kind == COLLECT:
-            exchange.send((self.engine.weight_version, [(i, row) for i, _, row in items], gen_s,
+            exchange.send((self.engine.weight_version, [(i, row) for i, _, row in scored], gen_s,
                            self.episode_stats if multi_turn else {}), self.routes.driver)
 
 

@@ -123,7 +123,10 @@ class TrainerRole:
             o = self.cfg.algo.opd
             return opd_advantages(b.teacher_logprobs, b.student_logprobs, mask, o.adv_clip, o.baseline)
         g = self.cfg.algo.grpo
-        adv = grpo_advantages(b.rewards, self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std)
+        # groups are the collection's items; a sibling sample takes its episode's advantage
+        adv = grpo_advantages(b.rewards[:b.items], self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std)
+        if b.sibling_of:
+            adv = torch.cat([adv, adv[torch.tensor(b.sibling_of)]])
         return per_token(adv, mask)
 
     def train(self, b: Batch) -> Dict[str, Any]:
