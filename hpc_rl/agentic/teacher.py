@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -61,35 +58,18 @@ def encode_transcript(tok, task: dict) -> Tuple[List[int], List[int]]:
 
 
 def _batch(tok, samples) -> Dict[str, torch.Tensor]:
-    enc = [encode_transcript(tok, s) for s in samples]
-    width = max(len(x) for x, _ in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(enc), width), -100, dtype=torch.long)
-    attn = torch.zeros((len(enc), width), dtype=torch.long)
-    for i, (x, y) in enumerate(enc):
-        ids[i, :len(x)], labels[i, :len(y)], attn[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": attn}
+    from hpc_rl.models.assets import _batch as padded
+
+    return padded(tok, samples, encode_transcript)
 
 
 def train_teacher(model, tok, spec, log: Callable[[str], None] = print) -> float:
     """SFT on freshly drawn calculator transcripts (the training seeds never reach the
     evaluation's: seed*100003+step against 10_000+)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.lr, total_steps=spec.steps, pct_start=0.1)
-    model.train()
-    loss = float("nan")
-    for step in range(spec.steps):
-        out = model(**_batch(tok, task_gen.calculator(spec.batch, seed=spec.seed * 100003 + step)))
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = out.loss.item()
-        if step % 250 == 0 or step == spec.steps - 1:
-            log(f"  step {step + 1}/{spec.steps} loss {loss:.3f}")
-    model.eval()
-    return loss
+    from hpc_rl.models.assets import train_steps
+
+    return train_steps(model, lambda step: _batch(tok, task_gen.calculator(spec.batch, seed=spec.seed * 100003 + step)),
+                       spec.steps, spec.lr, log)
 
 
 def episode_accuracy(model, tok, n: int, seed: int = 10_000, limits: Limits = EVAL_LIMITS) -> dict:
@@ -118,45 +98,32 @@ def student_baseline(n: int = 64) -> dict:
 
 
 def build_agentic_assets(spec, root: Optional[Path] = None, log: Callable[[str], None] = print):
-    """Find the cached calculator teacher for `spec` (models/assets.py AgenticAssetSpec) or
-    build it; a build below `spec.min_accuracy` fails rather than being cached."""
-    from hpc_rl.models.assets import ASSET_VERSION, Assets, default_root, new_model
+    """Find the cached calculator teacher (and students) for `spec` (models/assets.py
+    AgenticAssetSpec) or build them; a teacher below `spec.min_accuracy` fails the build."""
+    from hpc_rl.models.assets import ASSET_VERSION, cached_build, new_model
     from hpc_rl.models.tokenizer import build_tokenizer
 
-    root = Path(root or default_root())
-    final = root / f"tiny-{spec.key()}"
-    if (final / "manifest.json").exists():
-        manifest = json.loads((final / "manifest.json").read_text())
-        return Assets(final, {name: final / name for name in manifest["models"]}, manifest)
-    tmp = root / f".tiny-{spec.key()}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.time()
-    tok = build_tokenizer(tmp / "tokenizer")
-    models = {}
-    # the teacher, then the students: the same training for fewer steps (agentic recipes'
-    # students have seen a little of the tool, as the tiny students have of every task)
-    for name, steps, floor in [(spec.name, spec.steps, spec.min_accuracy)] + [(n, k, 0.0) for n, k in spec.students]:
-        one = dataclasses.replace(spec, name=name, steps=steps)
-        log(f"[assets] training {name} on calculator transcripts ({steps} steps)")
-        t1 = time.time()
-        model = new_model(spec.model, len(tok), tok, spec.seed)
-        loss = train_teacher(model, tok, one, log)
-        train_s = time.time() - t1
-        acc = episode_accuracy(model, tok, spec.eval_samples)
-        log(f"[assets] {name}: loss {loss:.3f}, greedy multi-turn {acc}")
-        if acc["accuracy"] < floor:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(f"{name}: greedy multi-turn accuracy {acc['accuracy']:.3f} < {floor}")
-        model.save_pretrained(tmp / name, safe_serialization=True)
-        tok.save_pretrained(tmp / name)
-        models[name] = {"tasks": ["calculator"], "train_steps": steps, "final_loss": loss, "greedy_episodes": acc,
-                        "params": sum(p.numel() for p in model.parameters()), "train_seconds": train_s}
-    manifest = {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec), "models": models,
+    def build(tmp: Path) -> dict:
+        t0 = time.time()
+        tok = build_tokenizer(tmp / "tokenizer")
+        models = {}
+        # the teacher, then the students: the same training for fewer steps (agentic recipes'
+        # students have seen a little of the tool, as the tiny students have of every task)
+        for name, steps, floor in [(spec.name, spec.steps, spec.min_accuracy)] + [(n, k, 0.0) for n, k in spec.students]:
+            log(f"[assets] training {name} on calculator transcripts ({steps} steps)")
+            t1 = time.time()
+            model = new_model(spec.model, len(tok), tok, spec.seed)
+            loss = train_teacher(model, tok, dataclasses.replace(spec, name=name, steps=steps), log)
+            train_s = time.time() - t1
+            acc = episode_accuracy(model, tok, spec.eval_samples)
+            log(f"[assets] {name}: loss {loss:.3f}, greedy multi-turn {acc}")
+            if acc["accuracy"] < floor:
+                raise RuntimeError(f"{name}: greedy multi-turn accuracy {acc['accuracy']:.3f} < {floor}")
+            model.save_pretrained(tmp / name, safe_serialization=True)
+            tok.save_pretrained(tmp / name)
+            models[name] = {"tasks": ["calculator"], "train_steps": steps, "final_loss": loss, "greedy_episodes": acc,
+                            "params": sum(p.numel() for p in model.parameters()), "train_seconds": train_s}
+        return {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec), "models": models,
                 "build_seconds": time.time() - t0}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:  # another process finished first: use its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return build_agentic_assets(spec, root, log)
+
+    return cached_build(spec, root, build)

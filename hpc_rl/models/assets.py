@@ -172,8 +172,9 @@ def encode_sft(tok, sample: dict) -> Tuple[List[int], List[int]]:
     return prompt + answer, [-100] * len(prompt) + answer
 
 
-def _batch(tok, samples: Sequence[dict]) -> Dict[str, torch.Tensor]:
-    encoded = [encode_sft(tok, s) for s in samples]
+def _batch(tok, samples: Sequence[dict], encode: Callable = encode_sft) -> Dict[str, torch.Tensor]:
+    """Right-padded (input ids, labels) of `encode(tok, sample)` for each sample."""
+    encoded = [encode(tok, s) for s in samples]
     width = max(len(ids) for ids, _ in encoded)
     ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(encoded), width), -100, dtype=torch.long)
@@ -237,29 +238,39 @@ def save_untrained(path: Path, spec, seed: int = 0) -> Path:
     return Path(path)
 
 
-def sft(model, tok, train: TrainSpec, log: Callable[[str], None] = print) -> float:
-    """Supervised training on freshly drawn task samples; returns the last loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=train.lr, total_steps=train.steps, pct_start=0.1)
-    per_task = train.batch // len(train.tasks)
-    # MoE: the router's load-balancing loss joins the loss during this training only, so the
-    # experts all get tokens (an expert-parallel test with one idle expert would prove less)
-    moe_kwargs = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
+def train_steps(model, batch_at: Callable[[int], Dict[str, torch.Tensor]], steps: int, lr: float,
+                log: Callable[[str], None] = print, **model_kwargs) -> float:
+    """`steps` AdamW steps (one-cycle schedule, gradients clipped to 1) on `batch_at(step)`;
+    returns the last loss. The tiny assets' one training loop (this module, agentic/teacher.py)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     loss_val = float("nan")
-    for step in range(train.steps):
-        samples = [s for t in train.tasks for s in task_gen.GENERATORS[t](per_task, seed=train.seed * 100003 + step)]
-        out = model(**_batch(tok, samples), **moe_kwargs)
+    for step in range(steps):
+        out = model(**batch_at(step), **model_kwargs)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_val = out.loss.item()
-        if step % 250 == 0 or step == train.steps - 1:
-            log(f"  step {step + 1}/{train.steps} loss {loss_val:.3f}")
+        if step % 250 == 0 or step == steps - 1:
+            log(f"  step {step + 1}/{steps} loss {loss_val:.3f}")
     model.eval()
     return loss_val
+
+
+def sft(model, tok, train: TrainSpec, log: Callable[[str], None] = print) -> float:
+    """Supervised training on freshly drawn task samples; returns the last loss."""
+    per_task = train.batch // len(train.tasks)
+    # MoE: the router's load-balancing loss joins the loss during this training only, so the
+    # experts all get tokens (an expert-parallel test with one idle expert would prove less)
+    moe_kwargs = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
+
+    def batch_at(step: int):
+        return _batch(tok, [s for t in train.tasks for s in task_gen.GENERATORS[t](per_task, seed=train.seed * 100003 + step)])
+
+    return train_steps(model, batch_at, train.steps, train.lr, log, **moe_kwargs)
 
 
 @torch.no_grad()
@@ -288,41 +299,55 @@ class Assets:
         return self.paths[name]
 
 
+def cached_build(spec, root: Optional[Path], build: Callable[[Path], dict]) -> Assets:
+    """The assets of `spec` from the cache, or built by `build(tmp) -> manifest` into a
+    temporary directory renamed into place when complete (a failed build leaves nothing)."""
+    root = Path(root or default_root())
+    final = root / f"tiny-{spec.key()}"
+    if not (final / "manifest.json").exists():
+        tmp = root / f".tiny-{spec.key()}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            manifest = build(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = json.loads((final / "manifest.json").read_text())
+    return Assets(final, {name: final / name for name in manifest["models"]}, manifest)
+
+
 def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log: Callable[[str], None] = print) -> Assets:
     """Find the cached assets for `spec`, or build them (about a minute on 2 cores)."""
     if isinstance(spec, AgenticAssetSpec):
         from hpc_rl.agentic.teacher import build_agentic_assets
 
         return build_agentic_assets(spec, root, log)
-    root = Path(root or default_root())
-    final = root / f"tiny-{spec.key()}"
-    if (final / "manifest.json").exists():
-        manifest = json.loads((final / "manifest.json").read_text())
-        return Assets(final, {name: final / name for name in manifest["models"]}, manifest)
-    tmp = root / f".tiny-{spec.key()}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.time()
-    tok = build_tokenizer(tmp / "tokenizer")
-    manifest: dict = {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec), "models": {}}
-    all_tasks = sorted({t for _, tr in spec.models for t in tr.tasks})
-    for name, train in spec.models:
-        log(f"[assets] training {name} on {', '.join(train.tasks)} ({train.steps} steps)")
-        model = new_model(spec.model, len(tok), tok, train.seed)
-        loss = sft(model, tok, train, log)
-        acc = {t: greedy_accuracy(model, tok, t, spec.eval_samples) for t in all_tasks}
-        model.save_pretrained(tmp / name, safe_serialization=True)
-        tok.save_pretrained(tmp / name)  # every checkpoint is self-contained (vLLM loads its tokenizer)
-        manifest["models"][name] = {"tasks": list(train.tasks), "final_loss": loss, "greedy_accuracy": acc,
-                                    "params": sum(p.numel() for p in model.parameters())}
-        log(f"[assets] {name}: loss {loss:.3f}, greedy accuracy {acc}")
-    manifest["build_seconds"] = time.time() - t0
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:  # another process finished first: use its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return build_assets(spec, root, log)
+
+    def build(tmp: Path) -> dict:
+        t0 = time.time()
+        tok = build_tokenizer(tmp / "tokenizer")
+        manifest: dict = {"version": ASSET_VERSION, "spec": dataclasses.asdict(spec), "models": {}}
+        all_tasks = sorted({t for _, tr in spec.models for t in tr.tasks})
+        for name, train in spec.models:
+            log(f"[assets] training {name} on {', '.join(train.tasks)} ({train.steps} steps)")
+            model = new_model(spec.model, len(tok), tok, train.seed)
+            loss = sft(model, tok, train, log)
+            acc = {t: greedy_accuracy(model, tok, t, spec.eval_samples) for t in all_tasks}
+            model.save_pretrained(tmp / name, safe_serialization=True)
+            tok.save_pretrained(tmp / name)  # every checkpoint is self-contained (vLLM loads its tokenizer)
+            manifest["models"][name] = {"tasks": list(train.tasks), "final_loss": loss, "greedy_accuracy": acc,
+                                        "params": sum(p.numel() for p in model.parameters())}
+            log(f"[assets] {name}: loss {loss:.3f}, greedy accuracy {acc}")
+        manifest["build_seconds"] = time.time() - t0
+        return manifest
+
+    return cached_build(spec, root, build)
 
 
 if __name__ == "__main__":
