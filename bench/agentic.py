@@ -6,7 +6,7 @@ episodes really take two turns: a tool call, the tool's answer, the final answer
 path is the product's: the generator's serving loop (hpc_rl/serving/loop.py) drives one
 vLLM engine in the main thread, the endpoint (server.py) takes HTTP requests with the key,
 and the env rank's episode code (roles/episode_runner.py `episodes_at`) runs the episodes
-concurrently in another thread. Then, on the same engine:
+concurrently in a process of its own (as an env rank does). Then, on the same engine:
   single_turn_endpoint  one request per prompt through the same endpoint, each forced to
                         the episodes' mean policy tokens (min_tokens = max_tokens)
   single_turn_direct    the same requests as one engine.sample batch (no HTTP)
@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import platform
-import threading
 import time
 from pathlib import Path
 
@@ -30,17 +29,55 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "agentic.json"
 
 
-def serve_while(gen, requests, work):
-    """Run coroutine factory `work` in a thread's event loop while this thread serves the engine."""
+def serve_while(gen, requests, fn, *args):
+    """Run `fn(*args)` in a process of its own (as an env rank is) while this process serves
+    the engine; returns its result, the serving loop's figures and the wall time."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
     from hpc_rl.serving import serve
 
-    box = []
-    t = threading.Thread(target=lambda: box.append(asyncio.run(work())), daemon=True)
-    t0 = time.perf_counter()
-    t.start()
-    stats = serve(gen, requests, until=lambda: not t.is_alive())
-    t.join()
-    return box[0], stats, time.perf_counter() - t0
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        pool.submit(warm).result()  # the process is up, its imports done (an env rank's first step pays them once)
+        t0 = time.perf_counter()
+        fut = pool.submit(fn, *args)
+        stats = serve(gen, requests, until=fut.done)
+        return fut.result(), stats, time.perf_counter() - t0
+
+
+def warm() -> None:
+    from vllm.tool_parsers import ToolParserManager  # noqa: F401  (the episodes' tool parser imports vLLM)
+
+    import hpc_rl.roles.episode_runner  # noqa: F401
+    import hpc_rl.serving.client  # noqa: F401
+
+
+def multi_turn(url, key, path, items, inflight):
+    """The env rank's side: the calculator episodes against the endpoint (roles/episode_runner.py)."""
+    from transformers import AutoTokenizer
+
+    from hpc_rl.agentic.contract import Limits, build_environment
+    from hpc_rl.engines.base import Sampling
+    from hpc_rl.roles.episode_runner import episodes_at
+
+    limits = Limits(max_turns=3, max_tokens=128, turn_timeout_s=300, episode_timeout_s=600)
+    return asyncio.run(episodes_at(url, key, build_environment("calculator"), AutoTokenizer.from_pretrained(path), limits,
+                                   "pythonic", Sampling(1.0, 1.0, -1, 40), items, inflight))
+
+
+def single_turn(url, key, prompts, per_episode, inflight):
+    """One token-route request per prompt, forced to `per_episode` tokens."""
+    from hpc_rl.serving import EndpointClient
+
+    async def run():
+        sem = asyncio.Semaphore(inflight)
+        async with EndpointClient(url, key, max_connections=inflight) as client:
+            async def one(k, ids):
+                async with sem:
+                    return await client.tokens(ids, max_tokens=per_episode, min_tokens=per_episode, ignore_eos=True,
+                                               seed=2000 + k)
+            return await asyncio.gather(*(one(k, p) for k, p in enumerate(prompts)))
+    return asyncio.run(run())
 
 
 def main() -> None:
@@ -49,15 +86,12 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=128)
     args = ap.parse_args()
 
-    from hpc_rl.agentic.contract import Limits, build_environment
     from hpc_rl.data import tasks as task_gen
     from hpc_rl.data.dataset import PromptRecord
-    from hpc_rl.engines.base import Sampling
     from hpc_rl.refit.vllm_engine import VLLMGenerator
     from hpc_rl.rl.inputs import resolve_model_ref
-    from hpc_rl.roles.episode_runner import episodes_at
     from hpc_rl.runtime.signed_store import ensure_job_key
-    from hpc_rl.serving import EndpointClient, RequestQueue, endpoint_key, start_endpoint
+    from hpc_rl.serving import RequestQueue, endpoint_key, start_endpoint
 
     ensure_job_key()
     key = endpoint_key()
@@ -67,13 +101,8 @@ def main() -> None:
     ep = start_endpoint("127.0.0.1", gen.tokenizer, requests.submit, key, tool_parser="pythonic")
     rows = task_gen.calculator(args.episodes, seed=7)
     items = [(i, PromptRecord(r["prompt"], r["agent"], r["answer"], r["task"]), 1000 + i) for i, r in enumerate(rows)]
-    sampling = Sampling(1.0, 1.0, -1, 40)
-    limits = Limits(max_turns=3, max_tokens=128, turn_timeout_s=300, episode_timeout_s=600)
-    episode = build_environment("calculator")
-
-    (back, scores), multi, wall = serve_while(gen, requests, lambda: episodes_at(
-        ep.url, key, episode, gen.tokenizer, limits, "pythonic", sampling, items, args.inflight))
-    policy_tokens = sum(sum(r.policy_mask()) for _, r in back.rows)
+    (back, scores), multi, wall = serve_while(gen, requests, multi_turn, ep.url, key, path, items, args.inflight)
+    policy_tokens = sum(sum(r.policy_mask()) for _, rows_ in back.rows for r in rows_)
     per_episode = max(1, round(policy_tokens / len(items)))
     result = {"episodes": len(items), "max_inflight": args.inflight, "multi_turn": {
         "wall_s": wall, "episodes_per_s": len(items) / wall, "turns": back.stats["turns"],
@@ -87,16 +116,7 @@ def main() -> None:
                                                  add_generation_prompt=True) for r in rows]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
 
-    async def single():
-        sem = asyncio.Semaphore(args.inflight)
-        async with EndpointClient(ep.url, key, max_connections=args.inflight) as client:
-            async def one(k, ids):
-                async with sem:
-                    return await client.tokens(ids, max_tokens=per_episode, min_tokens=per_episode, ignore_eos=True,
-                                               seed=2000 + k)
-            return await asyncio.gather(*(one(k, p) for k, p in enumerate(prompts)))
-
-    outs, st, wall1 = serve_while(gen, requests, single)
+    outs, st, wall1 = serve_while(gen, requests, single_turn, ep.url, key, prompts, per_episode, args.inflight)
     n1 = sum(len(o["token_ids"]) for o in outs)
     result["single_turn_endpoint"] = {"wall_s": wall1, "policy_tokens": n1, "policy_tokens_per_s": n1 / wall1,
                                       "generator_busy_frac": st.step_s / st.wall_s, "engine_steps": st.steps}
@@ -111,8 +131,9 @@ def main() -> None:
     result["single_turn_direct"] = {"wall_s": wall2, "policy_tokens": n2, "policy_tokens_per_s": n2 / wall2}
     result["multi_turn_vs_single_turn_endpoint_time"] = wall / wall1
     result["machine"] = {"cpus": len(__import__("os").sched_getaffinity(0)), "platform": platform.platform()}
-    result["note"] = ("one run, this 2-core machine (timings move ~15% between runs); the multi-turn figure includes "
-                      "the second turn's prefill of the whole history and the env's templating and tool calls")
+    result["note"] = ("this 2-core machine (timings move ~15% between runs); the episodes' process shares the two cores "
+                      "with the engine; the multi-turn figure includes the second turn's prefill of the whole history, the "
+                      "wait between a turn and the next (templating, tool parsing, the tool) and the env process's CPU")
     ep.stop()
     gen.close()
     OUT.parent.mkdir(parents=True, exist_ok=True)
