@@ -58,6 +58,7 @@ bench: setup cluster-up
 	$(PY) bench/exchange.py
 	$(PY) bench/auth_cost.py
 	$(PY) bench/verify_cost.py
+	$(PY) bench/agentic.py
 	$(PY) bench/pipeline.py
 
 # The local cluster runs Slurm accounting (MariaDB + slurmdbd, installed by apt on a fresh
