@@ -13,7 +13,8 @@ concurrently in a process of its own (as an env rank does). Then, on the same en
 Generator busy fraction: the share of the wall time the serving loop spent inside engine
 steps (the rest it waited for requests: episodes computing tools, HTTP, templating).
 
-    python bench/agentic.py [--episodes 256] [--inflight 128]
+    python bench/agentic.py [--episodes 256] [--inflight 128] [--max-num-seqs 256] [--out PATH]
+    python bench/agentic.py --episodes 1000 --inflight 1000 --max-num-seqs 1024 --out bench/results/agentic_load.json
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--episodes", type=int, default=256)
     ap.add_argument("--inflight", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine's max_num_seqs (generator.max_num_seqs)")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
 
     from hpc_rl.data import tasks as task_gen
@@ -96,7 +99,7 @@ def main() -> None:
     ensure_job_key()
     key = endpoint_key()
     path = resolve_model_ref("tiny_agentic:teacher_calc")
-    gen = VLLMGenerator(path, max_model_len=128, max_num_seqs=256)
+    gen = VLLMGenerator(path, max_model_len=128, max_num_seqs=args.max_num_seqs)
     requests = RequestQueue()
     ep = start_endpoint("127.0.0.1", gen.tokenizer, requests.submit, key, tool_parser="pythonic")
     rows = task_gen.calculator(args.episodes, seed=7)
@@ -104,7 +107,7 @@ def main() -> None:
     (back, scores), multi, wall = serve_while(gen, requests, multi_turn, ep.url, key, path, items, args.inflight)
     policy_tokens = sum(sum(r.policy_mask()) for _, rows_ in back.rows for r in rows_)
     per_episode = max(1, round(policy_tokens / len(items)))
-    result = {"episodes": len(items), "max_inflight": args.inflight, "multi_turn": {
+    result = {"episodes": len(items), "max_inflight": args.inflight, "max_num_seqs": args.max_num_seqs, "multi_turn": {
         "wall_s": wall, "episodes_per_s": len(items) / wall, "turns": back.stats["turns"],
         "turns_per_s": back.stats["turns"] / wall, "policy_tokens": policy_tokens, "policy_tokens_per_s": policy_tokens / wall,
         "generator_busy_frac": multi.step_s / multi.wall_s, "engine_steps": multi.steps, "engine_max_batch": multi.max_batch,
@@ -136,8 +139,8 @@ def main() -> None:
                       "wait between a turn and the next (templating, tool parsing, the tool) and the env process's CPU")
     ep.stop()
     gen.close()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
