@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from hpc_rl.engines.rows import SampleRow
 
@@ -87,27 +87,32 @@ class EpisodeBatch:
         }
 
 
-async def run_episodes(tasks: Sequence[dict], env: Episode, policy: Policy, limits: Limits, tokenizer,
-                       max_inflight: int, tool_parser: str = "pythonic",
+async def run_episodes(tasks: Sequence[dict], env: Episode, policy: Union[Policy, Sequence[Policy]], limits: Limits,
+                       tokenizer, max_inflight: int, tool_parser: str = "pythonic",
                        template_kwargs: Optional[dict] = None) -> EpisodeBatch:
-    """Every task's episode, at most `max_inflight` at once."""
+    """Every task's episode, at most `max_inflight` at once. `policy`: one for all, or one
+    per task (a run's: each request seeded by its item and turn)."""
     if max_inflight < 1:
         raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
     sem = asyncio.Semaphore(max_inflight)
     batch = EpisodeBatch()
     running = 0
 
-    async def one(task: dict):
+    policies = [policy] * len(tasks) if callable(policy) else list(policy)
+    if len(policies) != len(tasks):
+        raise ValueError(f"{len(policies)} policies for {len(tasks)} tasks")
+
+    async def one(task: dict, pol: Policy):
         nonlocal running
         async with sem:
             running += 1
             batch.max_inflight = max(batch.max_inflight, running)
             try:
-                return await run_episode(task, env, policy, tokenizer, limits, tool_parser, template_kwargs)
+                return await run_episode(task, env, pol, tokenizer, limits, tool_parser, template_kwargs)
             finally:
                 running -= 1
 
     t0 = time.perf_counter()
-    batch.episodes = list(await asyncio.gather(*(one(t) for t in tasks)))
+    batch.episodes = list(await asyncio.gather(*(one(t, pol) for t, pol in zip(tasks, policies))))
     batch.seconds = time.perf_counter() - t0
     return batch

@@ -45,6 +45,15 @@ def expand_scores(rewards: Optional[List[float]], correct: Optional[List[Any]], 
     return rewards, correct, teacher
 
 
+def renumber(key, new_index: Dict[int, int]):
+    """An item's key (i) or a sibling's ((i, k)) after a filter kept the items of
+    `new_index` (old -> new); None when its item was dropped (rl/staleness.py)."""
+    i, k = (key, None) if isinstance(key, int) else key
+    if i not in new_index:
+        return None
+    return new_index[i] if k is None else (new_index[i], k)
+
+
 def keep_items(siblings: Sequence[Tuple[Key, Any]], new_index: Dict[int, int]) -> List[Tuple[Key, Any]]:
     """The siblings of the items a filter kept (rl/staleness.py), renumbered."""
-    return [((new_index[i], k), r) for (i, k), r in siblings if i in new_index]
+    return [(renumber(key, new_index), r) for key, r in siblings if renumber(key, new_index) is not None]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from .siblings import keep_items
+from .siblings import keep_items, renumber
 
 
 def ages(first_versions: Sequence[int], policy_version: int) -> List[int]:
@@ -45,8 +45,8 @@ def drop_stale(gathered: Dict[str, Any], policy_version: int, bound: int, group_
         if gathered.get(key) is not None:
             out[key] = [gathered[key][i] for i in keep]
     if gathered.get("teacher") is not None:  # keyed by item, or (item, k) for a sibling sample (rl/siblings.py)
-        out["teacher"] = {(new_index[i] if isinstance(i, int) else (new_index[i[0]], i[1])): lps
-                          for i, lps in gathered["teacher"].items() if (i if isinstance(i, int) else i[0]) in new_index}
+        out["teacher"] = {renumber(k, new_index): lps for k, lps in gathered["teacher"].items()
+                          if renumber(k, new_index) is not None}
     if gathered.get("siblings"):
         out["siblings"] = keep_items(gathered["siblings"], new_index)
     return out, len(rows) - len(keep)

@@ -36,16 +36,22 @@ class EnvRole:
 
             self.episodes = EpisodeRunner(ctx)
 
+    def _start_step(self, first, done: Dict[str, Any]) -> None:
+        """A training round (Work or Episodes) opens its step here: counted, marked, and
+        where ft.inject_failure's @step fires."""
+        if not first.train:
+            return
+        done["steps"] += 1
+        exchange.mark_step(first.step)
+        ident = self.ctx.ident
+        maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, first.step)
+
     def _episodes(self, work, done: Dict[str, Any]) -> None:
         from hpc_rl.roles.episode_runner import serve_episodes
 
         first = work[0]
         self.ctx.set_phase("episodes" if first.train else "eval", first.step if first.train else None)
-        if first.train:
-            done["steps"] += 1
-            exchange.mark_step(first.step)
-            ident = self.ctx.ident
-            maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, first.step)
+        self._start_step(first, done)
         out = serve_episodes(self.episodes, work, self.sources, self.routes.driver, self.ctx.set_phase)
         done["episodes"] = done.get("episodes", 0) + out["episodes"]
 
@@ -64,11 +70,7 @@ class EnvRole:
             kind = work[0].kind
             busy = "verify" if work[0].train else "eval"
             self.ctx.set_phase(busy if work[0].wanted else "wait", work[0].step if work[0].train else None)
-            if work[0].train:
-                done["steps"] += 1
-                exchange.mark_step(work[0].step)
-                ident = self.ctx.ident
-                maybe_inject(self.ctx.cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, work[0].step)
+            self._start_step(work[0], done)
             if kind == STOP:
                 return dict(done, stopped=True)
             if kind == END:

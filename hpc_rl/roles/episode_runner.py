@@ -17,6 +17,8 @@ from hpc_rl.messaging import p2p as exchange
 
 from .episodes import EpisodeReturn, Episodes, endpoint_of
 
+STAT_KEYS = ("episodes", "turns", "errors", "truncated", "siblings", "tool_parse_errors", "changed_policy_tokens",
+             "policy_tokens", "env_tokens")
 TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride (mod 2^31 - 1)
 
 
@@ -61,11 +63,9 @@ async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parse
     """`items` ((index, record, seed)) as episodes against the endpoint at `url`, at most
     `max_inflight` at once through one client whose pool holds as many connections:
     (trajectories and stats, (index, reward, correct) per item)."""
-    from hpc_rl.agentic.runner import run_episode
+    from hpc_rl.agentic.runner import run_episodes
     from hpc_rl.serving.client import EndpointClient
 
-    sem = asyncio.Semaphore(max_inflight)
-    peak = {"now": 0, "max": 0}
     async with EndpointClient(url, key, max_connections=max_inflight, timeout_s=limits.turn_timeout_s) as client:
 
         def policy_of(seed: int):
@@ -80,25 +80,14 @@ async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parse
                         out["finish_reason"])
             return policy
 
-        async def one(i: int, record, seed: int):
-            async with sem:
-                peak["now"] += 1
-                peak["max"] = max(peak["max"], peak["now"])
-                try:
-                    return i, await run_episode(task_of(record), episode, policy_of(seed), tokenizer, limits, tool_parser)
-                finally:
-                    peak["now"] -= 1
-
-        done = await asyncio.gather(*(one(i, rec, seed) for i, rec, seed in items))
-    rows, scores, stats = [], [], {"episodes": 0.0, "max_inflight_episodes": float(peak["max"])}
-    for i, (sample_rows, result) in done:
-        rows.append((i, trained_rows(sample_rows, tokenizer)))
-        scores.append((i, float(result.reward), result.correct))
-        for k in ("turns", "siblings", "tool_parse_errors", "changed_policy_tokens"):
-            stats[k] = stats.get(k, 0.0) + float(result.info.get(k, 0))
-        stats["episodes"] += 1
-        stats["truncated"] = stats.get("truncated", 0.0) + float(result.truncated)
-        stats["errors"] = stats.get("errors", 0.0) + float("error" in result.info)
+        batch = await run_episodes([task_of(rec) for _, rec, _ in items], episode, [policy_of(seed) for *_, seed in items],
+                                   limits, tokenizer, max_inflight, tool_parser)
+    rows = [(i, trained_rows(sample_rows, tokenizer)) for (i, _, _), (sample_rows, _) in zip(items, batch)]
+    scores = [(i, float(result.reward), result.correct) for (i, _, _), (_, result) in zip(items, batch)]
+    m = batch.metrics()
+    # additive figures only: the driver sums them over the generators (rl/collect.py merge_episode_stats)
+    stats = {k: float(m[k]) for k in STAT_KEYS}
+    stats["max_inflight_episodes"] = float(batch.max_inflight)
     return EpisodeReturn(rows, stats), scores
 
 
