@@ -4,7 +4,7 @@ vLLM's sampling logprobs with the trainer after every refit (fp32 and bf16 engin
 Each part is a real launch (`python -m hpc_rl.launch +recipe=...`, local processes); the
 numbers come from the runs' summary.json and metrics.jsonl. Writes bench/results/rl.json.
 
-    python bench/rl_results.py [--only mopd,grpo,bf16,moe,moe_dp,engine_tp2,engine_span,agentic_mopd,agentic_grpo]
+    python bench/rl_results.py [--only mopd,grpo,bf16,moe,moe_dp,nemotron,engine_tp2,engine_span,agentic_mopd,agentic_grpo]
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def main() -> int:
         demos = {"moe": ("tiny_mopd_moe", "+recipe=tiny_mopd_moe"),  # the MoE student with expert parallel 2 (#13)
                  # its dp-only twin (ep=1 over the same 2 trainer ranks): what "cuts like dp-only" compares against
                  "moe_dp": ("tiny_mopd_moe_dp_only", "+recipe=tiny_mopd_moe", "trainer.parallel.ep=1"),
+                 # the flagship's family: the dense hybrid Nemotron-H (M*M-) student and teachers (#24)
+                 "nemotron": ("tiny_mopd_nemotron", "+recipe=tiny_mopd_nemotron"),
                  # a tensor-parallel-2 CPU engine (one generator task, two vLLM workers, each a refit rank; #14)
                  "engine_tp2": ("tiny_mopd_engine_tp2", "+recipe=tiny_mopd", "generator.parallel.tp=2"),
                  # the same TP-2 engine spanning two generator tasks, one worker each (engines/spanning.py; #14)

@@ -136,9 +136,21 @@ def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes(local_slurm, tm
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_scaled_down_ultra_mopd_starts_every_role_and_completes_two_steps(local_slurm, tmp_path):
+    # The recipe's models are the trained tiny Nemotron-H set (minutes to build on a fresh
+    # machine); random checkpoints of the same shape and tokenizer run the same code paths
+    # (Nemotron-H trainer, teachers, engine and refit) in seconds.
+    from hpc_rl.models.assets import NemotronHModelSpec, save_untrained
+
+    ckpt = {name: save_untrained(tmp_path / name, NemotronHModelSpec(), seed=seed)
+            for seed, name in enumerate(("student", "teacher_add", "teacher_mul"))}
+    teachers = {"general": "teacher_add", "rlhf": "teacher_add", "ifbench": "teacher_add",
+                "reasoning": "teacher_mul", "swe": "teacher_mul"}
     run = tmp_path / "run"
-    proc = _launch("+recipe=ultra_mopd_tiny", "launcher.wait=true", f"run.dir={run}")
+    proc = _launch("+recipe=ultra_mopd_tiny", "launcher.wait=true", f"run.dir={run}", f"model.path={ckpt['student']}",
+                   *(f"teachers.{alias}.checkpoint={ckpt[name]}" for alias, name in teachers.items()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the flagship's family end to end: the trainer ran NemotronHForCausalLM, the engine took its refits
+    assert "(NemotronHForCausalLM) loaded" in (run / "logs" / "trainer.0.out").read_text()
     job = job_from_run_dir(run)
     assert [r["role"] for r in job.results()] == ["trainer", "generator", "teacher/general", "teacher/reasoning", "env"]
     rows = [r for r in _steps(run) if r["kind"] == "step"]

@@ -4,7 +4,9 @@ the refit of the generators' engines."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -32,7 +34,9 @@ class TrainerRole:
             cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer,
             parallel=parallel_sizes(cfg.trainer.parallel), sequence_parallel=cfg.trainer.sequence_parallel))
         p = cfg.trainer.parallel
-        self.log.info("student %s loaded (%s over %d ranks: dp %d x cp %d x tp %d%s, %s)", cfg.model.path,
+        # the checkpoint's HF class in the log: which model family the run really trains
+        arch = ",".join(json.loads((Path(cfg.model.path) / "config.json").read_text()).get("architectures") or ["?"])
+        self.log.info("student %s (%s) loaded (%s over %d ranks: dp %d x cp %d x tp %d%s, %s)", cfg.model.path, arch,
                       cfg.trainer.backend, dist.get_world_size(ctx.groups.role), self.backend.dp_size,
                       p.cp, p.tp, f", expert parallel {p.ep}" if p.ep > 1 else "", cfg.trainer.precision)
         self.refit_ep = None
