@@ -32,7 +32,6 @@ MTP_PREFIX = "mtp.layers."
 # ("Pattern char ... not implemented" for the others)
 VLLM_MTP_LETTERS = "*E"
 _LETTER_TO_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-_TYPE_TO_LETTER = {v: k for k, v in _LETTER_TO_TYPE.items()}
 # transformers 5 holds a MoE sublayer's experts fused [E, ...]; checkpoints one tensor per expert
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>up_proj|down_proj)$")
 
@@ -42,15 +41,6 @@ def default_pattern(config: dict) -> str:
     build its E from, so its MTP layer is one attention sublayer ("*")."""
     types = config.get("layers_block_type") or [_LETTER_TO_TYPE[c] for c in config.get("hybrid_override_pattern", "")]
     return "*E" if "moe" in types else "*"
-
-
-def mtp_pattern(config: dict) -> Optional[str]:
-    """The MTP sublayers' pattern a config.json describes, or None when it has no MTP layer."""
-    if not config.get("num_nextn_predict_layers"):
-        return None
-    if config.get("mtp_hybrid_override_pattern"):
-        return config["mtp_hybrid_override_pattern"]
-    return "".join(_TYPE_TO_LETTER[t] for t in config.get("mtp_layers_block_type") or ())
 
 
 def _block_shapes(checkpoint: Path, pattern: str) -> Dict[str, Tuple[Tuple[int, ...], bool]]:
