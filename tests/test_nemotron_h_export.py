@@ -62,6 +62,30 @@ def test_the_mtp_layer_has_nemotron_3s_names_and_config(with_mtp):
     assert not info["unexpected_keys"] and not info["missing_keys"]  # transformers drops mtp.* by design
 
 
+def test_an_moe_checkpoint_gets_nemotron_3s_attention_then_moe_mtp_layer(tmp_path):
+    """With MoE layers the MTP layer is `*E` (Nemotron 3's): experts one tensor each as
+    save_pretrained writes them, the router's bias fp32 in a bf16 checkpoint."""
+    from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+    from hpc_rl.models.mtp import add_mtp_layer
+
+    cfg = NemotronHConfig(vocab_size=128, hidden_size=H, hybrid_override_pattern="M*E", num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=32, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                          ssm_state_size=16, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32)
+    NemotronHForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "moe")
+    names = add_mtp_layer(tmp_path / "moe", seed=1)
+    src = _read(tmp_path / "moe")
+    e = "mtp.layers.1.mixer."
+    assert {f"{e}experts.{i}.{k}_proj.weight" for i in range(4) for k in ("up", "down")} <= set(names)
+    assert tuple(src[f"{e}experts.3.up_proj.weight"].shape) == tuple(src["backbone.layers.2.mixer.experts.3.up_proj.weight"].shape)
+    assert src[f"{e}gate.e_score_correction_bias"].dtype == torch.float32
+    assert src[f"{e}gate.weight"].dtype == torch.bfloat16 and "mtp.layers.1.final_layernorm.weight" in names
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["mtp_hybrid_override_pattern"] == "*E"
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+
+
 def test_add_mtp_layer_refuses(tmp_path, with_mtp):
     from hpc_rl.models.assets import ModelSpec, NemotronHModelSpec, save_untrained
     from hpc_rl.models.mtp import add_mtp_layer
