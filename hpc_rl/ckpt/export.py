@@ -9,6 +9,7 @@ vLLM. Works for plain and FSDP2-sharded backends: the full weights are gathered 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -23,6 +24,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 # The size at which HF itself starts a new safetensors shard.
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+MANIFEST = "export_manifest.json"  # what the export holds and where each part came from
+
+log = logging.getLogger(__name__)
 
 
 def _tied_output_names(model: torch.nn.Module) -> List[str]:
@@ -51,11 +55,13 @@ def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, to
 
 def export_hf(backend, out_dir, tokenizer_dir=None, group: Optional[dist.ProcessGroup] = None,
               dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              overwrite: bool = False, state: Optional[Dict[str, torch.Tensor]] = None) -> Path:
+              overwrite: bool = False, state: Optional[Dict[str, torch.Tensor]] = None, source_dir=None) -> Path:
     """Write the backend's full weights to `out_dir` as a HF checkpoint; every rank of a sharded
     backend calls it. `dtype` casts on the way out (e.g. torch.bfloat16 for serving; default:
     the fp32 master weights). The directory appears atomically (written beside it, then renamed).
-    `state`: the full state dict when the caller already gathered it (no second gather)."""
+    `state`: the full state dict when the caller already gathered it (no second gather).
+    `source_dir`: the checkpoint whose dropped-on-load tensors are carried over (default: the
+    one the backend loaded, its `checkpoint_dir`)."""
     out_dir = Path(out_dir)
     # A collective on sharded backends: every rank takes part, whichever rank writes.
     state = dict(state) if state is not None else backend.full_state_dict()
@@ -66,15 +72,19 @@ def export_hf(backend, out_dir, tokenizer_dir=None, group: Optional[dist.Process
         # Rank 0 only; the others wait at the barrier below, which rank 0 reaches even on error
         # so that a refused export fails the job instead of hanging it.
         # a backend whose model is not a HF module (megatron) names one for the config and tied names
-        _write(getattr(backend, "export_model", backend.model), state, out_dir, tokenizer_dir, dtype, max_shard_bytes, overwrite)
+        source = source_dir if source_dir is not None else getattr(backend, "checkpoint_dir", None)
+        _write(getattr(backend, "export_model", backend.model), state, out_dir, tokenizer_dir, dtype, max_shard_bytes,
+               overwrite, source)
     finally:
         if group is not None and dist.is_initialized():
             dist.barrier(group=group)
     return out_dir
 
 
-def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: int, overwrite: bool) -> None:
+def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: int, overwrite: bool, source) -> None:
     from safetensors.torch import save_file
+
+    from .carry import carried_from
 
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True or choose another directory")
@@ -85,6 +95,10 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
     state = to_checkpoint_names(state)  # MoE: one tensor per expert, as HF and vLLM load them
     # safetensors refuses tensors that share storage or are non-contiguous views; clone to own each.
     state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone() for k, v in state.items()}
+    dtype_name = str(dtype or next(iter(state.values())).dtype).removeprefix("torch.")
+    # after the cast: carried tensors keep the input's bytes and dtype
+    carried = carried_from(source, model, state)
+    state.update(carried.tensors)
 
     tmp = out_dir.parent / f".tmp_export_{out_dir.name}_{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
@@ -92,7 +106,7 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
         config = model.config.to_dict()
         # fully_shard swaps the model's class for a generated FSDP<Name> subclass; name the HF one.
         config["architectures"] = config.get("architectures") or [type(model).__name__.removeprefix("FSDP")]
-        dtype_name = str(dtype or next(iter(state.values())).dtype).removeprefix("torch.")
+        config.update(carried.config)  # the input's own description of the carried tensors
         config["torch_dtype"] = dtype_name
         if "dtype" in config:
             config["dtype"] = dtype_name
@@ -114,6 +128,10 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
+        manifest = {"dtype": dtype_name, "tensors_from_model": len(state) - len(carried.tensors),
+                    "carried_from_input": carried.manifest()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
         if tokenizer_dir is not None:
             tok = Path(tokenizer_dir)
             copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
@@ -128,3 +146,22 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if carried.tensors:
+        log.info("export %s: %d tensors carried unchanged from %s (%s): %s; config keys %s", out_dir,
+                 len(carried.tensors), carried.source, carried.reason, _summary(sorted(carried.tensors)),
+                 sorted(carried.config))
+
+
+def carried_note(out_dir) -> str:
+    """A log line's tail naming what an export carried from its input (empty when nothing)."""
+    path = Path(out_dir) / MANIFEST
+    carried = json.loads(path.read_text())["carried_from_input"] if path.exists() else {}
+    names = sorted(carried.get("tensors", {}))
+    if not names:
+        return ""
+    return (f"; {len(names)} tensors carried unchanged from {carried['source']} ({_summary(names)}), "
+            f"listed in {MANIFEST}")
+
+
+def _summary(names: List[str], first: int = 4) -> str:
+    return ", ".join(names[:first]) + (f" and {len(names) - first} more" if len(names) > first else "")

@@ -117,6 +117,8 @@ class FSDP2Backend:
         from transformers import AutoModelForCausalLM
 
         check_checkpoint(model_path)
+        # the HF export carries from it what the model drops on load (Nemotron-H's MTP layers)
+        self.checkpoint_dir = model_path
         self.device = torch.device(device)
         self.precision = precision
         # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.

@@ -202,12 +202,12 @@ class RLLoop:
         final = self.trainer.backend.full_state_dict()
         digest = weights_digest(final) if self.driver else None
         if cfg.checkpoint.export_final:
-            from hpc_rl.ckpt import export_hf
+            from hpc_rl.ckpt.export import carried_note, export_hf
 
             out = export_hf(self.trainer.backend, RunDir(self.ctx.run_dir).final_hf, tokenizer_dir=cfg.model.path,
                             group=self.ctx.groups.role, overwrite=True, state=final)
             if self.driver:
-                self.log.info("trained weights exported to %s (Hugging Face safetensors)", out)
+                self.log.info("trained weights exported to %s (Hugging Face safetensors)%s", out, carried_note(out))
         summary = None
         if self.driver:
             self.collector.order(END, cfg.run.max_steps, [])

@@ -96,6 +96,7 @@ class MegatronBackend:
             core.eval()
             core.requires_grad_(False)
         self.export_model = meta_hf_model(path)
+        self.checkpoint_dir = path  # the HF export carries from it what the HF class drops on load
 
     # ---------------------------------------------------------------------------- set-up
     def _groups(self):
