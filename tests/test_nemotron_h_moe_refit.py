@@ -104,6 +104,22 @@ def test_layout_checks_against_vllms_moe_parameters():
         check_against_model(SPECS, params_only, 1)
 
 
+def test_a_tensor_parallel_expert_slice_survives_vllms_dummy_expert_dimension():
+    """vLLM 0.32's MoE loader does `loaded_weight.unsqueeze(0).unbind()` on a single expert's
+    tensor before narrowing it to the rank's rows (seen on a live TP-2 engine: without this
+    the pre-sharded slice refused the unsqueeze)."""
+    import torch
+
+    from hpc_rl.refit.presharded import as_loader_weight
+
+    full = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64)  # experts.<e>.down_proj [Hm, I]
+    w = as_loader_weight(full[:, 32:].clone(), (32, 64), (0, 32), "down")
+    (back,) = w.unsqueeze(0).unbind()
+    assert back is w and torch.equal(back.narrow(1, 32, 32), full[:, 32:])
+    with pytest.raises(RuntimeError, match="only the leading expert dimension"):
+        w.unsqueeze(1)
+
+
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory) -> Path:
     from hpc_rl.models.assets import NemotronHMoeModelSpec, save_untrained
@@ -136,9 +152,9 @@ def test_shimmed_engine_takes_a_refit_of_the_moe_hybrid(tmp_path, moe_checkpoint
     r = json.loads(out.read_text())["moe"]["results"][0]
     print(proc.stdout.strip().splitlines()[-2])
     # the perturbation moves the log-probs by more than 10x the tolerance (1.001): agreement
-    # after the refit is the refit's doing; the router bias alone moves them visibly too
+    # after the refit is the refit's doing; the router bias's move alone does too (HF only)
     assert r["stale_engine"]["token_mult_prob_error"] > 1.01, r["stale_engine"]
-    assert r["router_bias_alone_token_mult_prob_error"] > 1.001, r
+    assert r["router_bias_alone_token_mult_prob_error"] > 1.01, r
     assert r["after_refit"]["token_mult_prob_error"] <= 1.001 and r["after_refit"]["tokens"] >= 32, r["after_refit"]
     assert r["router_bias_equal_trainer"], "the engine's e_score_correction_bias is not the trainer's"
     # vLLM 0.32 skips the experts' prepack on reloads; the product's repair ran on both MoE layers
