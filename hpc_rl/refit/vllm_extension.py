@@ -27,11 +27,16 @@ class RefitWorkerExtension:
     def hpc_rl_params(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """The model's parameters as its weight loaders see them: name -> (local shape,
         dtype name). After loading, CPU kernels repack some parameters (empty shapes
-        remain); vLLM records the loader-format shapes for reloading, and those count."""
+        remain); vLLM records the loader-format shapes for reloading, and those count.
+        Persistent buffers count too (vLLM's loader fills them by name like parameters): a
+        tensor a checkpoint holds as a buffer, such as a router's e_score_correction_bias,
+        must be checked and refitted wherever a model keeps it."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         model = self.model_runner.get_model()
-        out = {n: (tuple(p.shape), str(p.dtype).split(".")[1]) for n, p in model.named_parameters()}
+        out = {n: (tuple(b.shape), str(b.dtype).split(".")[1]) for n, b in model.named_buffers()
+               if b.is_floating_point()}
+        out.update({n: (tuple(p.shape), str(p.dtype).split(".")[1]) for n, p in model.named_parameters()})
         for mod_name, module in model.named_modules():
             info = LAYERWISE_INFO.get(module)
             for p_name, meta in (info.restore_metadata[0].items() if info is not None else ()):
@@ -75,7 +80,7 @@ class RefitWorkerExtension:
         t0 = time.perf_counter()
         signal = (lambda: endpoint.transport.store.set(ready_key, "1")) if ready_key else None
         stream = endpoint.stream(timeout_s, on_posted=signal)
-        phases = {"init_s": 0.0, "finalize_s": 0.0}
+        phases = {"init_s": 0.0, "finalize_s": 0.0, "moe_layers_prepacked": 0}
         if load:
             phases = self._hpc_rl_load(self._hpc_rl_loader_weights(stream))
         else:
@@ -138,8 +143,9 @@ class RefitWorkerExtension:
             model.load_weights(weights)
             t2 = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
-            prepack_reloaded_experts(model)  # MoE on CPU: what vLLM's reload skips (refit/vllm_moe_reload.py)
-        return {"init_s": t1 - t0, "finalize_s": time.perf_counter() - t2}
+            # MoE on CPU: what vLLM's reload skips (refit/vllm_moe_reload.py)
+            prepacked = prepack_reloaded_experts(model)
+        return {"init_s": t1 - t0, "finalize_s": time.perf_counter() - t2, "moe_layers_prepacked": prepacked}
 
     def hpc_rl_raw_receive(self, sizes: Dict[int, List[int]], timeout_s: float, ready_key: str) -> Dict[str, float]:
         """The benchmark's reference: from each peer, messages of `sizes[peer]` bytes (one flat
@@ -179,6 +185,14 @@ class RefitWorkerExtension:
                              "conv": conv.flatten().tolist(),
                              "alias_equal": bool((module.conv_weights == conv.view(conv.size(0), conv.size(2))).all())}
         return out
+
+    def hpc_rl_tensors(self, suffix: str) -> Dict[str, list]:
+        """Every parameter or buffer of this worker whose name ends with `suffix`, as a list
+        (checks compare a refitted tensor with the trainer's, e.g. a router's bias)."""
+        model = self.model_runner.get_model()
+        found = dict(model.named_buffers())
+        found.update(dict(model.named_parameters()))
+        return {n: t.detach().cpu().tolist() for n, t in found.items() if n.endswith(suffix)}
 
     def hpc_rl_version(self) -> int:
         return getattr(self, "_hpc_rl_version", -1)

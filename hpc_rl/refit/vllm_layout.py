@@ -6,7 +6,9 @@ moves HF-named slices, so the destination layout is written in HF names (a TP ra
 rows r of q_proj, of k_proj and of v_proj), and `fused_targets` says where each HF slice
 lands inside the fused vLLM parameter (which parameter, which shard id, at which offset).
 
-Nemotron-H's names and its Mamba mixers' part-wise splits come from nemotron_h_layout.py.
+Nemotron-H's names and its Mamba mixers' part-wise splits come from nemotron_h_layout.py,
+its MoE layers' (non-gated routed experts, shared expert, router and its fp32 bias, latent
+projections) from nemotron_h_moe_layout.py.
 
 `check_against_model` compares these names with a live vLLM model at setup, so a trainer
 parameter vLLM does not have (or a shape that does not add up) stops the run before any
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import nemotron_h_layout as nemotron_h
+from . import nemotron_h_moe_layout as nemotron_h_moe
 from .layout import Layout, LayoutError, Piece, chunk_bounds, megatron_tp_dim, sharded
 
 Specs = Mapping[str, Tuple[Sequence[int], str]]
@@ -97,9 +100,13 @@ def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = F
     does not own, so no other worker needs them."""
     experts = {n: v for n, v in specs.items() if expert_parallel and _EXPERT.match(n)}
     mixers = {n: p for n, (shape, _) in specs.items() if (p := nemotron_h.mixer_pieces(n, shape, specs, ranks))}
+    # Nemotron-H's MoE layers: each part split (or replicated) on its own; routed experts
+    # under expert parallel go whole to their owner below
+    mixers.update({n: p for n, (shape, _) in specs.items() if n not in experts
+                   and (p := nemotron_h_moe.moe_pieces(n, shape, ranks))})
     lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n) and n not in experts and n not in mixers},
                   ranks, megatron_tp_dim)
-    for name, pieces in mixers.items():  # Nemotron-H's Mamba mixers: every part split on its own
+    for name, pieces in mixers.items():  # Nemotron-H's Mamba mixers and MoE layers: every part on its own
         lay.add(name, specs[name][0], specs[name][1], pieces)
     for name, (shape, dtype) in specs.items():
         if _VOCAB.search(name):
@@ -180,10 +187,11 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
     blocks = {}
     if expert_parallel:
         blocks = {p: ep_expert_blocks(n, tp_size)[0] for p, n in expert_counts(specs).items()}
+    gated = {m.group("prefix") for n in specs if (m := _EXPERT.match(n)) and m.group("kind") == "gate_proj"}
     for name, (shape, dtype) in specs.items():
         if _EXPERT.match(name):
-            block = blocks.get(_EXPERT.match(name).group("prefix"))
-            problems += _expert_problems(name, shape, dtype, params, tp_size, block)
+            prefix = _EXPERT.match(name).group("prefix")
+            problems += _expert_problems(name, shape, dtype, params, tp_size, blocks.get(prefix), prefix in gated)
             continue
         target = vllm_name(name)
         if target not in params:
@@ -194,13 +202,19 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
         # vLLM keeps Nemotron-H's A in float32 whatever the engine's dtype (its loader widens
         # A_log before -exp): a lower-precision A_log loads, rounded
         widened = target.endswith(".mixer.A") and vdtype == "float32"
-        if vdtype != dtype and not widened:
+        if nemotron_h_moe.keeps_fp32(name) and dtype != "float32":
+            problems.append(f"{name}: dtype {dtype} (trainer side); vLLM keeps the router's correction bias in "
+                            f"float32 and it decides the routing: send it in float32 (nemotron_h_moe_layout.keeps_fp32)")
+        elif vdtype != dtype and not widened:
             problems.append(f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {target}); the refit sends "
                             f"the engine's dtype, so build the source layout with it")
         if name in targets:
             fused_rows[target] = fused_rows.get(target, 0) + targets[name].rows
             if tuple(vshape[1:]) != tuple(shape[1:]):
                 problems.append(f"{name}: shape {tuple(shape)} does not fit vLLM's {target} {tuple(vshape)}")
+        elif (local := nemotron_h_moe.local_shape(name, shape, tp_size)) is not None:
+            if tuple(local) != tuple(vshape):
+                problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}")
         elif (local := nemotron_h.local_shape(name, shape, specs, tp_size)) is not None:
             if tuple(local) != tuple(vshape):
                 problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}: "
@@ -224,10 +238,12 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
 
 
 def _expert_problems(name: str, shape: Sequence[int], dtype: str, params: Mapping[str, Tuple[Sequence[int], str]],
-                    tp_size: int, block: Optional[Tuple[int, int]] = None) -> List[str]:
+                    tp_size: int, block: Optional[Tuple[int, int]] = None, gated: bool = True) -> List[str]:
     """One expert's HF tensor against the layer's stacked vLLM parameter. `block`: under
     expert parallel, the experts [a, b) the checked worker holds, each whole; otherwise
-    every expert is on every worker, sliced over tensor parallel."""
+    every expert is on every worker, sliced over tensor parallel. `gated`: the layer's
+    experts have gate_proj and up_proj (w13 stacks both); a non-gated layer's (Nemotron-H's
+    relu2 experts) w13 holds up_proj alone."""
     m = _EXPERT.match(name)
     down = m.group("kind") == "down_proj"
     suffix = "w2_weight" if down else "w13_weight"
@@ -238,7 +254,7 @@ def _expert_problems(name: str, shape: Sequence[int], dtype: str, params: Mappin
     problems = [] if vdtype == dtype else [f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {found[0]})"]
     rows, cols = shape
     split = 1 if block is not None else tp_size
-    want = (rows, cols // split) if down else (2 * rows // split, cols)
+    want = (rows, cols // split) if down else ((2 if gated else 1) * rows // split, cols)
     # under EP a worker stacks only its block, so the global id may exceed its stack
     stacked = block[1] - block[0] if block is not None else None
     fits = len(vshape) == 3 and tuple(vshape[1:]) == want and (

