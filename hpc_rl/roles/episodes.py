@@ -44,7 +44,8 @@ class EpisodeReturn:
     """The env rank's answer to its generator: one trajectory per item, and what happened."""
 
     rows: List[Tuple[int, List[Any]]]  # (index, its SampleRows: earlier siblings first, the episode's end last)
-    stats: Dict[str, float] = field(default_factory=dict)
+    stats: Dict[str, Any] = field(default_factory=dict)  # agentic/figures.py
+    errors: Dict[str, str] = field(default_factory=dict)  # error kind -> a traceback line (the env rank logs it)
 
 
 class EngineEndpoint:
@@ -64,7 +65,7 @@ class EngineEndpoint:
         ctx.log.info("engine %d serves its endpoint at http://%s:%d/v1 (the job's key required)", index,
                      self.server.host, self.server.port)
 
-    def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, float]]:
+    def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, Any]]:
         """Hand the order's items to the env rank, serve the engine until its trajectories
         come back; returns each item's rows (siblings first, its last sample last) in the
         order's item order, and the episodes' stats."""
