@@ -37,7 +37,7 @@ def compacting_calculator(**cfg):
 def fault_of(prompt: str):
     """Which fault an episode of `prompt` meets, by the parity of its characters mod 8
     (deterministic, about a quarter of the prompts): 'raise', 'hang' or None."""
-    return {1: "raise", 5: "hang"}.get(sum(map(ord, prompt)) % 8)
+    return {6: "raise", 5: "hang"}.get(sum(map(ord, prompt)) % 8)
 
 
 class FaultyCalculator:

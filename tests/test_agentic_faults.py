@@ -162,3 +162,101 @@ def test_a_policy_call_that_never_returns_is_a_turn_timeout_not_a_failure(studen
     batch = run(run_episodes(tasks, FaultyCalculator(), never, Limits(turn_timeout_s=0.2, episode_timeout_s=5.0), tok, 2))
     m = batch.metrics()
     assert m["timeouts_by_kind"]["turn_timeout"] == 2 and m["timeouts"] == 2 and m["failed"] == 0
+
+
+# ------------------------------------------- a job on the local Slurm cluster: kill, requeue, faults
+def _drill_overrides(ckpt, inflight: int):
+    return ["+recipe=tiny_agentic_grpo", "cluster=local_slurm", f"model.path={ckpt}", "run.max_steps=3",
+            "algo.prompts_per_step=8", "algo.generations_per_prompt=2", "trainer.global_batch_size=16",
+            "data.samples_per_task=64", "data.eval_prompts_per_task=0", "checkpoint.every_steps=1",
+            "checkpoint.keep_last=2", "checkpoint.export_final=false", "ft.heartbeat_timeout_s=10",
+            "env.agentic.environment=agentic_envs:faulty_calculator_down_after_16",
+            "env.agentic.episode_timeout_s=8", "env.agentic.turn_timeout_s=8", "env.agentic.max_error_share=0.6",
+            f"env.agentic.max_inflight_episodes={inflight}", "ft.inject_failure=env:0:kill@2"]
+
+
+def _expected_items(run, steps: int):
+    """The prompt records an uninterrupted run trains on at each step: the run's own
+    dataset and seed through the same iterator (the items are drawn by the driver alone)."""
+    from hpc_rl.data.dataset import PromptIterator
+    from hpc_rl.rl.inputs import load_dataset
+    from hpc_rl.runtime.worker import load_run
+
+    cfg, _ = load_run(run)
+    it = PromptIterator(load_dataset(cfg, run), cfg.algo.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    return [[r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] for _ in range(steps)]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_killed_env_rank_is_requeued_and_resumed_and_a_failing_environment_ends_the_run(local_slurm, tmp_path):
+    """tiny_agentic_grpo as a het job, 3 steps of 16 episodes, a checkpoint every step, with
+    the faulty calculator: some prompts raise, some hang (8 s deadline). The env rank is
+    SIGKILLed as step 2 reaches it: the job is requeued and resumes from step 1's
+    checkpoint. In the resumed job the calculator service goes down after step 2's 16
+    episodes: step 3 fails entirely, over env.agentic.max_error_share=0.6, and the run ends
+    there, untrained and not requeued. Every step trained holds exactly the items an
+    uninterrupted run draws, none twice."""
+    import collections
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import h5py
+
+    from hpc_rl.models.assets import ModelSpec, save_untrained
+    from hpc_rl.slurm import chaos
+
+    ckpt = save_untrained(tmp_path / "student", ModelSpec(), seed=0)
+    run, inflight = tmp_path / "run", 8
+    env = local_slurm.env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), env.get("PYTHONPATH")) if p)
+    t0 = chaos.time.monotonic()
+    job = chaos.launch(run, _drill_overrides(ckpt, inflight), env=env)
+    res = chaos.result(run, job, chaos.follow(run, job, timeout_s=900), t0)
+    print(f"drill: {res.seconds:.0f} s, state {res.state}, restarts {res.restarts}")
+    # the kill: requeued once, resumed from step 1's checkpoint, nothing recorded twice
+    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == [(1, 1, 0)], res
+    # the environment that went down: the run ends failed, not requeued, saying what and why
+    assert res.state == "FAILED" and res.job_exit.get("requeued") is False and res.job_exit["restart"] == 1, res.job_exit
+    detail = res.job_exit["detail"]
+    for part in ("not requeued", "EpisodeFaultsError", "step 3: 16 of 16 episodes (100%)",
+                 "'agentic_envs:faulty_calculator_down_after_16'", "ConnectionError 16", "env.agentic.max_error_share=0.6"):
+        assert part in detail, (part, detail)
+
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s.get("kind") == "step"]
+    assert [s["step"] for s in steps] == [1, 2]  # step 3 was not trained
+    expected = _expected_items(run, 2)
+    with h5py.File(run / "rollouts.h5") as f:
+        trained = [[x.decode() for x in f[f"step_{k:06d}"]["item_ids"][:]] for k in (1, 2)]
+    seen = collections.Counter(i for ids in trained for i in ids)
+    for k, (s, ids, want) in enumerate(zip(steps, trained, expected), start=1):
+        # the items an uninterrupted run trains on at this step, each prompt's 2 generations once
+        assert collections.Counter(ids) == collections.Counter(r.id for r in want), k
+        a = s["agentic"]
+        raised = sum(fault_of(r.prompt) == "raise" for r in want)
+        hung = sum(fault_of(r.prompt) == "hang" for r in want)
+        assert a["episodes"] == 16 and a["errors_by_kind"] == ({"ValueError": raised} if raised else {}), (k, a)
+        assert a["timeouts_by_kind"].get("episode_timeout", 0) == hung and a["failed"] == raised + hung, (k, a)
+        assert a["failed_share"] == (raised + hung) / 16 and a["max_error_share"] == 0.6
+        # backpressure: the limit reached, the rest queued, the tool's time measured
+        assert a["max_inflight_episodes"] == a["inflight_limit"] == inflight == a["max_inflight_env_rank"]
+        assert a["max_queue_depth"] == 16 - inflight and a["tool_latency_s_n"] > 0
+    assert max(seen.values()) == 2  # across the requeue: no prompt trained in two steps
+
+    # each kind of error logged once per env rank process (restart), with its traceback's line
+    logs = {k: (run / "logs" / f"env.{k}.out").read_text(errors="replace") for k in (0, 1)}
+    for k, text in logs.items():
+        for kind in ("ValueError", "ConnectionError"):
+            assert len(re.findall(rf"an episode raised {kind} ", text)) <= 1, (k, kind)
+    assert re.search(r'an episode raised ConnectionError .*agentic_envs\.py", line \d+, in run: ConnectionError: '
+                     r"the calculator service is down", logs[1])
+
+    # the watch shows the episodes' figures of the run
+    view = subprocess.run([sys.executable, "-m", "hpc_rl.slurm.watch", str(run), "--once"], capture_output=True,
+                          text=True, timeout=120, env=env).stdout
+    assert "(agentic)" in view and re.search(rf"^\s+2\s+16\s+\d+%\s+\d+\s+\d+\s+{inflight}/{inflight}\s", view, re.M), view
