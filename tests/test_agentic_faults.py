@@ -171,7 +171,7 @@ def _drill_overrides(ckpt, inflight: int):
             "data.samples_per_task=64", "data.eval_prompts_per_task=0", "checkpoint.every_steps=1",
             "checkpoint.keep_last=2", "checkpoint.export_final=false", "ft.heartbeat_timeout_s=10",
             "env.agentic.environment=agentic_envs:faulty_calculator_down_after_16",
-            "env.agentic.episode_timeout_s=8", "env.agentic.turn_timeout_s=8", "env.agentic.max_error_share=0.6",
+            "env.agentic.episode_timeout_s=20", "env.agentic.turn_timeout_s=20", "env.agentic.max_error_share=0.6",
             f"env.agentic.max_inflight_episodes={inflight}", "ft.inject_failure=env:0:kill@2"]
 
 
@@ -191,8 +191,9 @@ def _expected_items(run, steps: int):
 @pytest.mark.slow
 def test_a_killed_env_rank_is_requeued_and_resumed_and_a_failing_environment_ends_the_run(local_slurm, tmp_path):
     """tiny_agentic_grpo as a het job, 3 steps of 16 episodes, a checkpoint every step, with
-    the faulty calculator: some prompts raise, some hang (8 s deadline). The env rank is
-    SIGKILLed as step 2 reaches it: the job is requeued and resumes from step 1's
+    the faulty calculator: some prompts raise, some hang (a 20 s deadline, which the healthy
+    episodes of a loaded machine stay well inside). The env rank is SIGKILLed as step 2
+    reaches it: the job is requeued and resumes from step 1's
     checkpoint. In the resumed job the calculator service goes down after step 2's 16
     episodes: step 3 fails entirely, over env.agentic.max_error_share=0.6, and the run ends
     there, untrained and not requeued. Every step trained holds exactly the items an
