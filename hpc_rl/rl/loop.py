@@ -116,11 +116,11 @@ class RLLoop:
                 if metrics:
                     metrics.close()
                 return self.stop_for_requeue(step - 1, it, batch)
-            if not self.pipeline:  # lock-step: every sample comes from this step's policy
-                check_age_bound(batch, step, cfg.algo.async_rollout.max_trajectory_age_steps)
             if batch.info.get("agentic"):  # too many failed episodes: end the run, do not train on them
                 a = cfg.env.agentic
                 check_error_share(batch.info["agentic"], a.max_error_share, a.environment, step)
+            if not self.pipeline:  # lock-step: every sample comes from this step's policy
+                check_age_bound(batch, step, cfg.algo.async_rollout.max_trajectory_age_steps)
             self.phase(progress, step, "train")
             maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, f"train{step}")
             t_train = time.perf_counter()

@@ -86,6 +86,12 @@ class EngineEndpoint:
             raise RuntimeError(f"env rank {env_rank} did not return the episodes of step {order.step}: {box[0]}") from box[0]
         back: EpisodeReturn = box[0]
         rows = dict(back.rows)
+        for group in rows.values():
+            for row in group:
+                if not row.response_ids:
+                    # an episode that failed before its first turn sampled nothing: its placeholder
+                    # row is as old as the weights served now, not version 0 (the age bound reads it)
+                    row.version_first = row.version_last = self.engine.weight_version
         stats = dict(back.stats, engine_max_batch=float(served.max_batch), engine_steps=float(served.steps),
                      engine_step_s=served.step_s, engine_idle_s=served.idle_s, engine_wall_s=served.wall_s)
         return [rows[i] for i, _, _ in order.items], stats
