@@ -140,6 +140,25 @@ def test_a_step_over_the_error_share_ends_the_run_naming_environment_share_key_a
     assert info.value.no_retry  # the batch shell does not requeue a run that would replay the same episodes
 
 
+def test_an_episode_that_failed_before_its_first_turn_is_not_an_old_sample(student):
+    """Its placeholder row (no policy token) takes the version the engine serves: in step 3
+    of a lock-step run it used to read as a sample of version 0, two steps old, and end the
+    run over the age bound."""
+    from types import SimpleNamespace
+
+    from hpc_rl.roles.episode_runner import trained_rows
+    from hpc_rl.roles.episodes import stamp_unsampled
+    from hpc_rl.rl.loop import check_age_bound
+
+    _, tok = student
+    (placeholder,) = trained_rows([], tok)
+    with pytest.raises(RuntimeError, match="2 steps old"):
+        check_age_bound(SimpleNamespace(rows=[placeholder]), 3, 1)
+    stamp_unsampled([[placeholder]], 2)
+    assert (placeholder.version_first, placeholder.version_last) == (2, 2)
+    check_age_bound(SimpleNamespace(rows=[placeholder]), 3, 1)
+
+
 def test_max_error_share_is_validated_between_0_and_1():
     from hpc_rl.config import ConfigError, load_config
 

@@ -86,18 +86,24 @@ class EngineEndpoint:
             raise RuntimeError(f"env rank {env_rank} did not return the episodes of step {order.step}: {box[0]}") from box[0]
         back: EpisodeReturn = box[0]
         rows = dict(back.rows)
-        for group in rows.values():
-            for row in group:
-                if not row.response_ids:
-                    # an episode that failed before its first turn sampled nothing: its placeholder
-                    # row is as old as the weights served now, not version 0 (the age bound reads it)
-                    row.version_first = row.version_last = self.engine.weight_version
+        stamp_unsampled(rows.values(), self.engine.weight_version)
         stats = dict(back.stats, engine_max_batch=float(served.max_batch), engine_steps=float(served.steps),
                      engine_step_s=served.step_s, engine_idle_s=served.idle_s, engine_wall_s=served.wall_s)
         return [rows[i] for i, _, _ in order.items], stats
 
     def close(self) -> None:
         self.server.stop()
+
+
+def stamp_unsampled(groups, version: int) -> None:
+    """An episode that failed before its first turn sampled nothing: its placeholder row
+    (episode_runner.trained_rows) is as old as the weights the engine serves when the
+    trajectories come back, not version 0, which the age bound would read as a sample
+    `step - 1` steps old."""
+    for group in groups:
+        for row in group:
+            if not row.response_ids:
+                row.version_first = row.version_last = version
 
 
 def endpoint_of(store, restart: int, engine: int) -> str:
