@@ -31,3 +31,51 @@ class CompactingCalculator:
 
 def compacting_calculator(**cfg):
     return CompactingCalculator()
+
+
+# --- faulty environments (tests/test_agentic_faults.py) ---------------------------------------
+def fault_of(prompt: str):
+    """Which fault an episode of `prompt` meets, by the parity of its characters mod 8
+    (deterministic, about a quarter of the prompts): 'raise', 'hang' or None."""
+    return {6: "raise", 5: "hang"}.get(sum(map(ord, prompt)) % 8)
+
+
+class FaultyCalculator:
+    """The calculator, with the faults of a real environment: for some prompts (fault_of) its
+    reset raises (a bug, a refused request) or never returns (a hung tool service), before
+    the policy's first turn so that no policy latency changes which. With
+    `healthy_episodes`, every episode after that many in this process raises
+    ConnectionError: the service behind the tool went down for good."""
+
+    def __init__(self, healthy_episodes=None):
+        self.healthy_episodes, self.started = healthy_episodes, 0
+
+    async def run(self, task, chat):
+        import asyncio
+
+        self.started += 1
+        if self.healthy_episodes is not None and self.started > self.healthy_episodes:
+            raise ConnectionError("the calculator service is down")
+        fault = fault_of(task["prompt"])
+        if fault == "raise":
+            raise ValueError(f"the calculator refused {task['prompt']!r}")
+        if fault == "hang":
+            await asyncio.Event().wait()  # nobody sets it: only the episode's deadline ends this
+        env = CalculatorEnv()
+        messages = await env.reset(task)
+        while True:
+            msg = await chat(messages, tools=env.tools)
+            messages.append(msg)
+            new, done, reward, correct = await env.step(msg)
+            if done:
+                return EpisodeResult(float(reward), correct)
+            messages.extend(new)
+
+
+def faulty_calculator(**cfg):
+    return FaultyCalculator()
+
+
+def faulty_calculator_down_after_16(**cfg):
+    """Healthy for 16 episodes per process (one step of the requeue drill), then down."""
+    return FaultyCalculator(healthy_episodes=16)

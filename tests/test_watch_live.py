@@ -178,6 +178,39 @@ def test_the_view_shows_progress_phases_metrics_and_the_slowest_ranks(tmp_path):
     assert "         generator     generator:1         0.90 (0.70) of 2.00  wait* 1.10 sample 0.90" in view
 
 
+# the `agentic` figures of one step of an agentic run (a row of its metrics.jsonl, as
+# agentic/figures.py finishes them), in which the environment failed 6 of 16 episodes
+AGENTIC_ROW = {"kind": "step", "step": 2, "reward_mean": 0.25, "loss": 0.02, "timing": {"step_s": 9.5},
+               "agentic": {"episodes": 16.0, "turns": 20.0, "errors": 4.0, "truncated": 2.0, "failed": 6.0,
+                           "failed_share": 0.375, "max_error_share": 0.25, "timeouts": 2.0,
+                           "errors_by_kind": {"ValueError": 4.0}, "timeouts_by_kind": {"episode_timeout": 2.0},
+                           "max_inflight_episodes": 8.0, "inflight_limit": 8, "max_inflight_env_rank": 8.0,
+                           "max_queue_depth": 8.0, "queue_wait_s_mean": 1.234, "tool_latency_s_n": 12,
+                           "tool_latency_s_mean": 0.0123, "tool_latency_s_p95": 0.0456, "engine_max_batch": 8.0}}
+
+
+def test_the_view_shows_the_episodes_backpressure_and_faults_of_an_agentic_run(tmp_path):
+    now = time.time()
+    _fake_run(tmp_path, now)
+    with RunDir(tmp_path).metrics.open("a") as f:
+        f.write(json.dumps(dict(AGENTIC_ROW, step=3, agentic=dict(AGENTIC_ROW["agentic"], failed=0.0, failed_share=0.0,
+                                                                   errors=0.0, errors_by_kind={}, timeouts=0.0,
+                                                                   timeouts_by_kind={}))) + "\n")
+        f.write(json.dumps(dict(AGENTIC_ROW, step=4)) + "\n")
+    view = live.render(tmp_path, "RUNNING", steps=2, now=now)
+    head = "  step episodes  failed errors timeouts inflight/limit env rank queued wait_s  tool_s    p95  (agentic)"
+    assert head in view
+    # failed share over env.agentic.max_error_share is flagged (!); the peak against its limit
+    assert "     3       16      0%      0        0            8/8        8      8   1.23   0.012  0.046" in view
+    assert "     4       16    38%!      4        2            8/8        8      8   1.23   0.012  0.046" in view
+    assert ("step 4: errors ValueError 4; timeouts episode_timeout 2; the run ends above 25% failed "
+            "(env.agentic.max_error_share)") in view
+    # a single-turn run has no agentic figures: no such section
+    plain = tmp_path / "plain"
+    _fake_run(plain, now)
+    assert "(agentic)" not in live.render(plain, "RUNNING", steps=2, now=now)
+
+
 def test_a_run_without_a_slurm_job_takes_its_state_from_its_files(tmp_path):
     rd = RunDir(tmp_path)
     rd.logs.mkdir(parents=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from typing import List, Optional
 
 from .contract import Limits, Policy, Truncated
@@ -33,6 +34,19 @@ class RecordingChat:
         self.tool_parse_errors = 0  # turns that opened a tool call the parser could not read
         self.hit_token_cap = False  # a turn was cut off by the trajectory's max_tokens
         self._returned: List[tuple] = []  # (the message as returned, the message as generated)
+        self._turn_end: Optional[float] = None  # when the policy's last turn came back
+        self._env_s: List[float] = []  # the environment's seconds after each policy turn
+
+    def _mark_env(self, now: float) -> None:
+        if self._turn_end is not None:
+            self._env_s.append(now - self._turn_end)
+            self._turn_end = None
+
+    def env_seconds(self, end: float) -> List[float]:
+        """The environment's time after each policy turn (its tool calls, its step), up to the
+        next policy request or `end` (the episode's end): the episode's tool latencies."""
+        self._mark_env(end)
+        return list(self._env_s)
 
     def _as_generated(self, m: dict) -> dict:
         for returned, generated in self._returned:
@@ -42,6 +56,7 @@ class RecordingChat:
 
     async def __call__(self, messages: List[dict], tools: Optional[list] = None) -> dict:
         lim = self.limits
+        self._mark_env(time.perf_counter())
         if self.turns >= lim.max_turns:
             raise Truncated("max_turns")
         ids = self.history.prompt([self._as_generated(m) for m in messages], tools)
@@ -72,6 +87,7 @@ class RecordingChat:
         # compared by value with a copy: an episode that edits the message afterwards gets it
         # rendered as edited (and, as it no longer matches the ids, a sibling sample)
         self._returned.append((copy.deepcopy(msg), generated))
+        self._turn_end = time.perf_counter()
         return msg
 
     async def chat(self, messages: List[dict], tools: Optional[list] = None) -> dict:

@@ -5,8 +5,14 @@ connection pool between the episodes and the policy's default limits (the anchor
 found Ray's default actor concurrency and aiohttp's 100-connection default capping rollouts
 silently). The peak reached is reported, so a cap that bites shows up as a number.
 
-An episode that raises is scored 0 and counted (`errors`), never a crash of the batch; one
-that hits a limit is marked truncated and scored `Limits.truncated_reward`.
+An episode that raises is scored 0 and counted (`errors`, `errors_by_kind`), never a crash
+of the batch; one that hits a limit is marked truncated and scored `Limits.truncated_reward`,
+a timeout among them counted by kind (`timeouts_by_kind`; faults.py says which are failures).
+
+Backpressure, measured: the most episodes in flight at once (`max_inflight`, against the
+limit), how many waited for a slot (`max_queue_depth`) and how long (`queue_wait_s`), and the
+environment's time after each policy turn (`tool_latency_s`: its tool calls and step, up to
+the next policy request or the episode's end).
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from hpc_rl.engines.rows import SampleRow
 
 from .chat import RecordingChat
 from .contract import Episode, EpisodeResult, Limits, Policy, Truncated
+from .faults import FAILED_BY, TIMEOUT_KINDS, error_kind, traceback_line
+from .figures import latency_figures
 from .history import changed_policy_tokens
 
 
@@ -27,8 +35,9 @@ async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, l
                       tool_parser: str = "pythonic", template_kwargs: Optional[dict] = None
                       ) -> Tuple[List[SampleRow], EpisodeResult]:
     """One episode: (its rows, possibly empty when no policy token was generated, its result).
-    result.info holds turns, siblings, tool_parse_errors, changed_policy_tokens, and
-    `truncated_by` or `error` when it applies."""
+    result.info holds turns, siblings, tool_parse_errors, changed_policy_tokens,
+    tool_latency_s (the environment's seconds after each policy turn), and `truncated_by`
+    or `error` (with `error_kind` and `error_line`, its traceback's last line) when it applies."""
     chat = RecordingChat(policy, tokenizer, limits, tool_parser, template_kwargs)
     try:
         result = await asyncio.wait_for(episode.run(task, chat), limits.episode_timeout_s)
@@ -41,10 +50,12 @@ async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, l
     except asyncio.TimeoutError:
         result = EpisodeResult(limits.truncated_reward, False, True, {"truncated_by": "episode_timeout"})
     except Exception as exc:  # the environment's bug or a failed policy call: this episode only
-        result = EpisodeResult(0.0, False, False, {"error": f"{type(exc).__name__}: {exc}"})
+        result = EpisodeResult(0.0, False, False, {"error": f"{type(exc).__name__}: {exc}", "error_kind": error_kind(exc),
+                                                   "error_line": traceback_line(exc)})
     rows = chat.history.rows(truncated=result.truncated)
     result.info.update(turns=chat.turns, siblings=chat.history.siblings, tool_parse_errors=chat.tool_parse_errors,
-                       changed_policy_tokens=changed_policy_tokens(rows, chat.history.row_turns()))
+                       changed_policy_tokens=changed_policy_tokens(rows, chat.history.row_turns()),
+                       tool_latency_s=chat.env_seconds(time.perf_counter()))
     return rows, result
 
 
@@ -54,6 +65,9 @@ class EpisodeBatch:
 
     episodes: List[Tuple[List[SampleRow], EpisodeResult]] = field(default_factory=list)
     max_inflight: int = 0  # the most episodes that ran at once
+    inflight_limit: int = 0  # the limit they ran under
+    max_queue_depth: int = 0  # the most episodes waiting for a slot at once
+    queue_wait_s: float = 0.0  # their seconds waiting for a slot, summed
     seconds: float = 0.0
 
     def __len__(self) -> int:
@@ -83,34 +97,88 @@ class EpisodeBatch:
             "mean_reward": sum(r.reward for r in results) / n,
             "accuracy": sum(bool(r.correct) for r in results) / n,
             "max_inflight": self.max_inflight,
+            "inflight_limit": self.inflight_limit,
+            "max_queue_depth": self.max_queue_depth,
+            "queue_wait_s_mean": self.queue_wait_s / n,
             "seconds": self.seconds,
+            **fault_counts(results),
+            **latency_figures(self.tool_latencies()),
         }
+
+    def tool_latencies(self) -> List[float]:
+        return [s for _, r in self.episodes for s in r.info.get("tool_latency_s", ())]
+
+    def error_lines(self) -> Dict[str, str]:
+        """kind -> the traceback line of its first episode, in task order."""
+        out: Dict[str, str] = {}
+        for _, r in self.episodes:
+            if "error_kind" in r.info:
+                out.setdefault(r.info["error_kind"], r.info.get("error_line", r.info["error"]))
+        return out
+
+
+def fault_counts(results: Sequence[EpisodeResult]) -> dict:
+    """errors (by kind), timeouts (by kind) and failed episodes (faults.py) of some results."""
+    by_kind: Dict[str, int] = {}
+    for r in results:
+        if "error_kind" in r.info:
+            by_kind[r.info["error_kind"]] = by_kind.get(r.info["error_kind"], 0) + 1
+    timeouts = {k: sum(r.info.get("truncated_by") == k for r in results) for k in TIMEOUT_KINDS}
+    return {"errors_by_kind": by_kind, "timeouts": sum(timeouts.values()), "timeouts_by_kind": timeouts,
+            "failed": sum("error" in r.info for r in results) + sum(timeouts[k] for k in FAILED_BY)}
+
+
+class InflightGauge:
+    """Episodes in flight across several `run_episodes` calls of one event loop (an env
+    rank serving several engines): the current count and its peak."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
 
 
 async def run_episodes(tasks: Sequence[dict], env: Episode, policy: Union[Policy, Sequence[Policy]], limits: Limits,
                        tokenizer, max_inflight: int, tool_parser: str = "pythonic",
-                       template_kwargs: Optional[dict] = None) -> EpisodeBatch:
+                       template_kwargs: Optional[dict] = None, gauge: Optional[InflightGauge] = None) -> EpisodeBatch:
     """Every task's episode, at most `max_inflight` at once. `policy`: one for all, or one
-    per task (a run's: each request seeded by its item and turn)."""
+    per task (a run's: each request seeded by its item and turn). `gauge`: also counts
+    them there (shared by the calls of one env rank)."""
     if max_inflight < 1:
         raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
     sem = asyncio.Semaphore(max_inflight)
-    batch = EpisodeBatch()
-    running = 0
+    batch = EpisodeBatch(inflight_limit=max_inflight)
+    running = waiting = 0
 
     policies = [policy] * len(tasks) if callable(policy) else list(policy)
     if len(policies) != len(tasks):
         raise ValueError(f"{len(policies)} policies for {len(tasks)} tasks")
 
     async def one(task: dict, pol: Policy):
-        nonlocal running
+        nonlocal running, waiting
+        queued, t_queued = sem.locked(), time.perf_counter()  # no free slot: this episode waits
+        if queued:
+            waiting += 1
+            batch.max_queue_depth = max(batch.max_queue_depth, waiting)
         async with sem:
+            if queued:
+                waiting -= 1
+                batch.queue_wait_s += time.perf_counter() - t_queued
             running += 1
             batch.max_inflight = max(batch.max_inflight, running)
+            if gauge is not None:
+                gauge.enter()
             try:
                 return await run_episode(task, env, pol, tokenizer, limits, tool_parser, template_kwargs)
             finally:
                 running -= 1
+                if gauge is not None:
+                    gauge.leave()
 
     t0 = time.perf_counter()
     batch.episodes = list(await asyncio.gather(*(one(t, pol) for t, pol in zip(tasks, policies))))

@@ -28,8 +28,15 @@ class AgenticConfig(Traced):
     turn_timeout_s: float = 120.0  # one policy turn (a request to the endpoint); past it the episode is truncated
     episode_timeout_s: float = 600.0  # one whole episode, tools included; past it the episode is truncated
     truncated_reward: float = 0.0  # the reward of a truncated episode (it keeps its tokens and is trained on)
-    # Episodes one env rank runs at once (per generator it serves); also the size of its
-    # HTTP connection pool to the endpoint, never a library default.
+    # The share (0..1) of a training step's episodes that may fail (raise, or hang past
+    # episode_timeout_s, or an environment call past turn_timeout_s; each scores 0 or
+    # truncated_reward and is counted by kind) before the run ends naming the environment,
+    # instead of training that step. 1.0: never end the run for failed episodes.
+    max_error_share: float = 0.25
+    # Episodes one env rank runs at once per generator (engine) it serves: each engine is
+    # served by one env rank, so this is also the engine's limit; an env rank serving k
+    # engines runs up to k times as many. Also the size of the HTTP connection pool to
+    # each endpoint, never a library default.
     max_inflight_episodes: int = 64
     # vLLM's tool parser (its ToolParserManager name) for the endpoint's chat route and the
     # episodes' tool calls: `pythonic` needs no special tokens (the tiny models' format).

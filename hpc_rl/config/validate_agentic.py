@@ -22,6 +22,10 @@ def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
                              "importable here and on the env ranks, or null for single-turn verifiers"))
     for key in ("max_turns", "max_tokens", "turn_timeout_s", "episode_timeout_s", "max_inflight_episodes"):
         check_positive(out, f"env.agentic.{key}", getattr(a, key))
+    if not 0.0 <= a.max_error_share <= 1.0:
+        out.append(Violation("env.agentic.max_error_share", a.max_error_share,
+                             "is a share of a step's episodes, between 0 and 1",
+                             "set env.agentic.max_error_share in [0, 1] (0: any failed episode ends the run; 1: never)"))
     if cfg.env.nodes < 1:
         # the env ranks run the episodes: without them nobody would talk to the endpoint
         out.append(Violation("env.nodes", cfg.env.nodes, "env.agentic.environment needs env ranks to run the episodes",

@@ -133,6 +133,7 @@ def metrics_section(records: List[dict], n: int) -> List[str]:
         lines.append(f"async rollouts: buffer depth {r['async'].get('buffer_depth')}, stale dropped {int(dropped)} in all, "
                      f"sample ages {(r.get('versions') or {}).get('age')}, "
                      + ", ".join(f"{who} idle {max(v, 0.0):.0%}" for who, v in idle.items()))
+    lines += agentic_section(steps)
     evals = [r for r in records if r.get("kind") == "eval"]
     if evals:
         e = evals[-1]
@@ -140,6 +141,40 @@ def metrics_section(records: List[dict], n: int) -> List[str]:
         kl = (e.get("reverse_kl") or {}).get("mean")
         lines.append(f"eval {e.get('tag')} (step {e.get('step')}): accuracy {acc or '-'}"
                      + (f"; reverse KL mean {kl:.4f}" if isinstance(kl, (int, float)) else ""))
+    return lines
+
+
+def _kinds(counts: Optional[dict]) -> str:
+    return ", ".join(f"{k} {int(v)}" for k, v in sorted((counts or {}).items()) if v)
+
+
+def agentic_section(steps: List[dict]) -> List[str]:
+    """Multi-turn episodes (the metrics' `agentic`, agentic/figures.py): per step, failed
+    episodes against the share that ends the run, errors and timeouts, the in-flight peak
+    against its limit per engine and over an env rank, how many waited for a slot and how
+    long, and the tool latency; the last step's errors and timeouts by kind."""
+    steps = [r for r in steps if isinstance(r.get("agentic"), dict) and r["agentic"].get("episodes")]
+    if not steps:
+        return []
+    lines = [f"{'step':>6}{'episodes':>9}{'failed':>8}{'errors':>7}{'timeouts':>9}{'inflight/limit':>15}{'env rank':>9}"
+             f"{'queued':>7}{'wait_s':>7}{'tool_s':>8}{'p95':>7}  (agentic)"]
+    for r in steps:
+        a = r["agentic"]
+        share = _metric(a, "failed_share")
+        limit = _metric(a, "max_error_share")
+        failed = "-" if share is None else f"{share:.0%}" + ("!" if limit is not None and share > limit else "")
+        inflight = f"{int(a.get('max_inflight_episodes', 0))}/{int(a['inflight_limit'])}" if "inflight_limit" in a \
+            else str(int(a.get("max_inflight_episodes", 0)))
+        lines.append(f"{r['step']:>6}{int(a['episodes']):>9}{failed:>8}{int(a.get('errors', 0)):>7}"
+                     f"{int(a.get('timeouts', 0)):>9}{inflight:>15}{_cell(_metric(a, 'max_inflight_env_rank'), '.0f', 9)}"
+                     f"{_cell(_metric(a, 'max_queue_depth'), '.0f', 7)}{_cell(_metric(a, 'queue_wait_s_mean'), '.2f', 7)}"
+                     f"{_cell(_metric(a, 'tool_latency_s_mean'), '.3f', 8)}{_cell(_metric(a, 'tool_latency_s_p95'), '.3f', 7)}")
+    a = steps[-1]["agentic"]
+    errors, timeouts = _kinds(a.get("errors_by_kind")), _kinds(a.get("timeouts_by_kind"))
+    if errors or timeouts:
+        limit = _metric(a, "max_error_share")
+        lines.append(f"step {steps[-1]['step']}: errors {errors or 'none'}; timeouts {timeouts or 'none'}"
+                     + (f"; the run ends above {limit:.0%} failed (env.agentic.max_error_share)" if limit is not None else ""))
     return lines
 
 

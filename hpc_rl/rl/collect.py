@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
+from hpc_rl.agentic.figures import finish_stats, merge_stats
 from hpc_rl.data.dataset import PromptRecord
 from hpc_rl.engines.base import Sampling
 from hpc_rl.refit.vllm_engine import pad_rows
@@ -19,14 +20,6 @@ from hpc_rl.messaging.messages import COLLECT, TEACHER_EVAL, Batch, Order, reque
 from hpc_rl.messaging.routes import Routes
 
 from . import siblings
-
-
-def merge_episode_stats(total: Dict[str, float], part: Dict[str, float]) -> Dict[str, float]:
-    """The episodes' figures of several generators: maxima stay maxima, the rest add up."""
-    out = dict(total)
-    for k, v in part.items():
-        out[k] = max(out.get(k, v), v) if k.startswith("max_") or "_max_" in k else out.get(k, 0) + v
-    return out
 
 
 class Collector:
@@ -93,7 +86,7 @@ class Collector:
     def gather_rows(self, n: int):
         """Driver: every generator's rows of the outstanding collection, in request order;
         the engines' versions, their sampling seconds, and (multi-turn collections) the
-        episodes' figures summed over the generators (roles/episodes.py) and the sibling
+        episodes' figures merged over the generators (agentic/figures.py) and the sibling
         samples of rewritten histories ((index, k), row) (rl/siblings.py)."""
         rows: List = [None] * n
         versions, gen_s, episodes, sibs = set(), [], {}, []
@@ -105,7 +98,9 @@ class Collector:
             for i, row in mine:
                 rows[i] = row
             sibs += theirs
-            episodes = merge_episode_stats(episodes, stats)
+            episodes = merge_stats(episodes, stats)
+        a = self.ctx.cfg.env.agentic
+        episodes = finish_stats(episodes, a.max_inflight_episodes, a.max_error_share)
         return rows, sorted(versions), gen_s, episodes, sibs
 
     def gather(self, records: List[PromptRecord], score_env: bool, score_teachers: bool):

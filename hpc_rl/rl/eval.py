@@ -56,5 +56,7 @@ def evaluate(collector: Collector, tag: str, evals: List[PromptRecord], step: in
     acc = accuracy_by_task(g.records, g.correct)
     rec = {"kind": "eval", "tag": tag, "step": step, "accuracy": acc, "reverse_kl": kl, "time": time.time(),
            "teacher_accuracy": teacher_acc, "prompts": len(evals)}
+    if g.info.get("agentic"):  # the evaluation's episodes: counted like a step's, never held to max_error_share
+        rec["agentic"] = g.info["agentic"]
     collector.ctx.log.info("eval %s: accuracy %s; reverse KL %s", tag, fmt(acc), fmt(kl))
     return rec

@@ -27,6 +27,7 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
+from hpc_rl.agentic.faults import check_error_share
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.data.dataset import PromptIterator
 from hpc_rl.engines.base import Sampling
@@ -115,6 +116,9 @@ class RLLoop:
                 if metrics:
                     metrics.close()
                 return self.stop_for_requeue(step - 1, it, batch)
+            if batch.info.get("agentic"):  # too many failed episodes: end the run, do not train on them
+                a = cfg.env.agentic
+                check_error_share(batch.info["agentic"], a.max_error_share, a.environment, step)
             if not self.pipeline:  # lock-step: every sample comes from this step's policy
                 check_age_bound(batch, step, cfg.algo.async_rollout.max_trajectory_age_steps)
             self.phase(progress, step, "train")

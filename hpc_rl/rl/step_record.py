@@ -89,7 +89,10 @@ def record_step(step: int, b: Batch, train: Dict[str, Any], timing: Dict[str, fl
         arrays["teacher_logprobs"] = b.teacher_logprobs.numpy()
     if b.rewards is not None:
         arrays["rewards"] = b.rewards.numpy()
-    strings = {"agents": [x.agent for x in b.records], "texts": r.texts, "tasks": [x.task or "" for x in b.records]}
+    # item_ids: each row's prompt record (its dataset id): which episodes a step trained on,
+    # checked for duplicates and gaps across a requeue (tests/test_agentic_faults.py)
+    strings = {"agents": [x.agent for x in b.records], "texts": r.texts, "tasks": [x.task or "" for x in b.records],
+               "item_ids": [x.id or "" for x in b.records]}
     if b.aliases:
         strings["teachers"] = b.aliases
     store.write(step, arrays, strings, attrs={"weight_version": min(b.weight_versions)})

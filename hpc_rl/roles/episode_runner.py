@@ -6,6 +6,11 @@ at most `env.agentic.max_inflight_episodes` at once per generator, through one H
 whose connection pool has exactly that size. Every policy call goes through the token route
 with the request's own seed (a function of the order's seed for the item and the turn), so
 a resumed run samples what the first attempt would have.
+
+What the episodes did goes back with the trajectories (agentic/figures.py): counts, errors
+and timeouts by kind, in-flight peaks (per engine, and over the whole env rank), queue
+depth and waits, and each policy turn's tool latency. Each kind of error the environment
+raises is logged here once, with its traceback's last line (agentic/faults.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from hpc_rl.messaging import p2p as exchange
 from .episodes import EpisodeReturn, Episodes, endpoint_of
 
 STAT_KEYS = ("episodes", "turns", "errors", "truncated", "siblings", "tool_parse_errors", "changed_policy_tokens",
-             "policy_tokens", "env_tokens")
+             "policy_tokens", "env_tokens", "failed", "timeouts")
 TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride (mod 2^31 - 1)
 
 
@@ -32,11 +37,13 @@ class EpisodeRunner:
         from transformers import AutoTokenizer
 
         from hpc_rl.agentic.contract import Limits, build_environment
+        from hpc_rl.agentic.faults import ErrorLog
         from hpc_rl.serving.key import endpoint_key
 
         self.ctx, a = ctx, ctx.cfg.env.agentic
         self.agentic = a
         self.episode = build_environment(a.environment)
+        self.errors = ErrorLog(ctx.log, a.environment)
         self.limits = Limits(max_turns=a.max_turns, max_tokens=a.max_tokens, turn_timeout_s=a.turn_timeout_s,
                              episode_timeout_s=a.episode_timeout_s, truncated_reward=a.truncated_reward)
         # the chat template renders the environment's messages: the policy's own tokenizer
@@ -46,20 +53,35 @@ class EpisodeRunner:
     def run(self, works: Sequence[Episodes]) -> List[Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]]:
         """Every generator's episodes of this round, concurrently; per work (its trajectories
         and stats for the generator, its (index, reward, correct) for the driver)."""
-        return asyncio.run(self._run_all(works))
+        out = asyncio.run(self._run_all(works))
+        lines: Dict[str, str] = {}
+        counts: Dict[str, float] = {}
+        for back, _ in out:
+            for kind, line in back.errors.items():
+                lines.setdefault(kind, line)
+            for kind, v in back.stats.get("errors_by_kind", {}).items():
+                counts[kind] = counts.get(kind, 0) + v
+        self.errors.note(lines, counts, works[0].step if works[0].train else None)
+        return out
 
     async def _run_all(self, works: Sequence[Episodes]):
-        return list(await asyncio.gather(*(self._run(w) for w in works)))
+        from hpc_rl.agentic.runner import InflightGauge
 
-    async def _run(self, work: Episodes):
+        gauge = InflightGauge()  # this rank's episodes in flight, over every engine it serves
+        out = list(await asyncio.gather(*(self._run(w, gauge) for w in works)))
+        for back, _ in out:
+            back.stats["max_inflight_env_rank"] = float(gauge.peak)
+        return out
+
+    async def _run(self, work: Episodes, gauge):
         a, ident = self.agentic, self.ctx.ident
         url = f"http://{endpoint_of(self.ctx.store, ident.restart, work.engine)}"
         return await episodes_at(url, self._key, self.episode, self.tokenizer, self.limits, a.tool_parser, work.sampling,
-                                 work.items, a.max_inflight_episodes)
+                                 work.items, a.max_inflight_episodes, gauge)
 
 
 async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parser: str, sp, items,
-                      max_inflight: int) -> Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]:
+                      max_inflight: int, gauge=None) -> Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]:
     """`items` ((index, record, seed)) as episodes against the endpoint at `url`, at most
     `max_inflight` at once through one client whose pool holds as many connections:
     (trajectories and stats, (index, reward, correct) per item)."""
@@ -81,14 +103,18 @@ async def episodes_at(url: str, key: str, episode, tokenizer, limits, tool_parse
             return policy
 
         batch = await run_episodes([task_of(rec) for _, rec, _ in items], episode, [policy_of(seed) for *_, seed in items],
-                                   limits, tokenizer, max_inflight, tool_parser)
+                                   limits, tokenizer, max_inflight, tool_parser, gauge=gauge)
     rows = [(i, trained_rows(sample_rows, tokenizer)) for (i, _, _), (sample_rows, _) in zip(items, batch)]
     scores = [(i, float(result.reward), result.correct) for (i, _, _), (_, result) in zip(items, batch)]
     m = batch.metrics()
-    # additive figures only: the driver sums them over the generators (rl/collect.py merge_episode_stats)
-    stats = {k: float(m[k]) for k in STAT_KEYS}
-    stats["max_inflight_episodes"] = float(batch.max_inflight)
-    return EpisodeReturn(rows, stats), scores
+    # figures the driver merges over the generators (agentic/figures.py merge_stats): counts,
+    # peaks (max_*), counts by kind, and the latency samples themselves
+    stats: Dict[str, Any] = {k: float(m[k]) for k in STAT_KEYS}
+    stats.update(max_inflight_episodes=float(batch.max_inflight), max_queue_depth=float(batch.max_queue_depth),
+                 queue_wait_s=batch.queue_wait_s, errors_by_kind={k: float(v) for k, v in m["errors_by_kind"].items()},
+                 timeouts_by_kind={k: float(v) for k, v in m["timeouts_by_kind"].items() if v},
+                 tool_latency_s=batch.tool_latencies())
+    return EpisodeReturn(rows, stats, batch.error_lines()), scores
 
 
 def trained_rows(rows, tokenizer):

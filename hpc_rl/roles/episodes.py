@@ -44,7 +44,8 @@ class EpisodeReturn:
     """The env rank's answer to its generator: one trajectory per item, and what happened."""
 
     rows: List[Tuple[int, List[Any]]]  # (index, its SampleRows: earlier siblings first, the episode's end last)
-    stats: Dict[str, float] = field(default_factory=dict)
+    stats: Dict[str, Any] = field(default_factory=dict)  # agentic/figures.py
+    errors: Dict[str, str] = field(default_factory=dict)  # error kind -> a traceback line (the env rank logs it)
 
 
 class EngineEndpoint:
@@ -64,7 +65,7 @@ class EngineEndpoint:
         ctx.log.info("engine %d serves its endpoint at http://%s:%d/v1 (the job's key required)", index,
                      self.server.host, self.server.port)
 
-    def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, float]]:
+    def collect(self, order, env_rank: int, between_steps) -> Tuple[List[Any], Dict[str, Any]]:
         """Hand the order's items to the env rank, serve the engine until its trajectories
         come back; returns each item's rows (siblings first, its last sample last) in the
         order's item order, and the episodes' stats."""
@@ -85,12 +86,24 @@ class EngineEndpoint:
             raise RuntimeError(f"env rank {env_rank} did not return the episodes of step {order.step}: {box[0]}") from box[0]
         back: EpisodeReturn = box[0]
         rows = dict(back.rows)
+        stamp_unsampled(rows.values(), self.engine.weight_version)
         stats = dict(back.stats, engine_max_batch=float(served.max_batch), engine_steps=float(served.steps),
                      engine_step_s=served.step_s, engine_idle_s=served.idle_s, engine_wall_s=served.wall_s)
         return [rows[i] for i, _, _ in order.items], stats
 
     def close(self) -> None:
         self.server.stop()
+
+
+def stamp_unsampled(groups, version: int) -> None:
+    """An episode that failed before its first turn sampled nothing: its placeholder row
+    (episode_runner.trained_rows) is as old as the weights the engine serves when the
+    trajectories come back, not version 0, which the age bound would read as a sample
+    `step - 1` steps old."""
+    for group in groups:
+        for row in group:
+            if not row.response_ids:
+                row.version_first = row.version_last = version
 
 
 def endpoint_of(store, restart: int, engine: int) -> str:
