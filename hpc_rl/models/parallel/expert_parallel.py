@@ -5,6 +5,11 @@ inside one NVLink domain). Inside a group, rank j holds experts [j*E/ep, (j+1)*E
 MoE layer; the router, attention, norms and embeddings stay as they were (FSDP2 over all the
 trainer's ranks). A token's hidden state goes to the ranks owning its top-k experts with one
 all_to_all, comes back weighted the same way, and the gradients retrace both exchanges.
+Everything beside the routed experts stays replicated as a dense weight: the router (with
+Nemotron-H's `e_score_correction_bias`, a buffer every rank loads from the same checkpoint
+and nothing updates: transformers has no bias-update rule, so it stays the checkpoint's value),
+the shared expert and Nemotron-H's latent projections (the block runs them itself, around
+the experts module this one replaces).
 
 Expert weights are DTensors Shard(0) over the ep group, so state dicts, checkpoints and the
 refit see their global shape and each rank's box. Ranks with the same position in different
@@ -12,8 +17,9 @@ ep groups (the expert data-parallel group) hold the same experts: their gradient
 there, and every expert gradient is divided by the trainer's world size, which makes it the
 mean over all ranks' losses, as FSDP2 makes it for every other weight.
 
-Only HF's fused expert layout is handled (`experts.gate_up_proj` [E, 2I, H] and
-`experts.down_proj` [E, H, I], as transformers 5 builds Qwen3-MoE in memory).
+The experts' layout differs by model family (Qwen3-MoE's gated `gate_up_proj`/`down_proj`,
+Nemotron-H's non-gated `up_proj`/`down_proj`): expert_families.py describes each, and this
+one dispatch path serves them all.
 """
 
 from __future__ import annotations
@@ -23,11 +29,9 @@ from typing import Dict, Iterable, List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-# HF classes whose `experts` submodule this module replaces (their router stays)
-MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
+from .expert_families import ExpertFamily, block_names, family_of_block
 
 
 class EPGroups:
@@ -76,10 +80,12 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelExperts(nn.Module):
-    """Drop-in for an HF fused experts module: forward(hidden [N, H], top_k_index [N, k],
-    top_k_weights [N, k]) -> [N, H], with this rank holding only its block of experts."""
+    """Drop-in for an HF fused experts module: forward(hidden [N, D], top_k_index [N, k],
+    top_k_weights [N, k]) -> [N, D], with this rank holding only its block of experts (D: the
+    hidden size, or Nemotron-H's latent MoE size). Its parameters keep the replaced module's
+    names, so state dicts, checkpoints and the refit see the same names as without ep."""
 
-    def __init__(self, experts: nn.Module, groups: EPGroups):
+    def __init__(self, experts: nn.Module, groups: EPGroups, family: ExpertFamily):
         super().__init__()
         from torch.distributed.tensor import DTensor, Shard
 
@@ -87,17 +93,17 @@ class ExpertParallelExperts(nn.Module):
         if self.num_experts % groups.ep:
             raise ValueError(f"{self.num_experts} experts do not split over expert parallel {groups.ep}")
         self.per_rank = self.num_experts // groups.ep
-        self.groups, self.act_fn = groups, experts.act_fn
+        self.groups, self.act_fn, self.family = groups, experts.act_fn, family
         lo = groups.ep_rank * self.per_rank
-        for name in ("gate_up_proj", "down_proj"):
+        for name in family.fused:
             local = getattr(experts, name).detach()[lo:lo + self.per_rank].clone()
             setattr(self, name, nn.Parameter(DTensor.from_local(local, groups.mesh, [Shard(0)], run_check=False)))
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         group, ep = self.groups.ep_group, self.groups.ep
-        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-        if gate_up.dtype != hidden.dtype:  # FSDP2's mixed precision casts the rest of the layer
-            gate_up, down = gate_up.to(hidden.dtype), down.to(hidden.dtype)
+        weights = {n: getattr(self, n).to_local() for n in self.family.fused}
+        # FSDP2's mixed precision casts the rest of the layer; the experts follow its dtype
+        weights = {n: w if w.dtype == hidden.dtype else w.to(hidden.dtype) for n, w in weights.items()}
         k = top_k_index.shape[1]
         expert = top_k_index.reshape(-1)
         order = torch.argsort(expert, stable=True)  # by expert, so by owning rank
@@ -115,27 +121,30 @@ class ExpertParallelExperts(nn.Module):
         # every rank: the expert data-parallel sum then never waits on a missing one
         for j in range(self.per_rank):
             sel = (local_expert == j).nonzero().squeeze(1)
-            gate, up = F.linear(rows[sel], gate_up[j]).chunk(2, dim=-1)
-            out = out.index_add(0, sel, F.linear(self.act_fn(gate) * up, down[j]))
+            out = out.index_add(0, sel, self.family.mlp(rows[sel], {n: w[j] for n, w in weights.items()}, self.act_fn))
         back = _AllToAll.apply(out, send_splits, recv_splits, group)
-        weights = top_k_weights.reshape(-1)[order].to(back.dtype)
-        return torch.zeros_like(hidden).index_add(0, token, (back * weights[:, None]).to(hidden.dtype))
+        # weighted and summed in the wider of the two dtypes, as HF's own experts do (Qwen3-MoE:
+        # its router's weights are in the hidden dtype; Nemotron-H: fp32 router weights, fp32 sum)
+        acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+        gate = top_k_weights.reshape(-1)[order].to(acc)
+        summed = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+        return summed.index_add(0, token, back.to(acc) * gate[:, None]).to(hidden.dtype)
 
 
 def is_moe(model: nn.Module) -> bool:
-    return any(type(m).__name__ in MOE_BLOCKS for m in model.modules())
+    return any(family_of_block(m) is not None for m in model.modules())
 
 
 def shard_experts(model: nn.Module, groups: EPGroups) -> List[nn.Parameter]:
     """Replace every MoE block's experts by this rank's block of them; returns the expert
     parameters (FSDP2 must leave them alone: `fully_shard(..., ignored_params=...)`)."""
-    found = [m for m in model.modules() if type(m).__name__ in MOE_BLOCKS]
+    found = [(m, family_of_block(m)) for m in model.modules() if family_of_block(m) is not None]
     if not found:
-        raise ValueError(f"expert parallel needs an MoE model ({', '.join(MOE_BLOCKS)}); "
+        raise ValueError(f"expert parallel needs an MoE model ({', '.join(block_names())}); "
                          f"{type(model).__name__} has no MoE block")
     params: List[nn.Parameter] = []
-    for block in found:
-        block.experts = ExpertParallelExperts(block.experts, groups)
+    for block, family in found:
+        block.experts = ExpertParallelExperts(block.experts, groups, family)
         params += list(block.experts.parameters())
     return params
 
