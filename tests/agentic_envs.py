@@ -12,17 +12,22 @@ from hpc_rl.agentic.calculator import CalculatorEnv
 from hpc_rl.agentic.contract import EpisodeResult
 
 
+async def _calculator_episode(task, chat, env):
+    """The calculator's turns until it is done: (last policy message, reward, correct)."""
+    messages = await env.reset(task)
+    while True:
+        msg = await chat(messages, tools=env.tools)
+        messages.append(msg)
+        new, done, reward, correct = await env.step(msg)
+        if done:
+            return msg, reward, correct
+        messages.extend(new)
+
+
 class CompactingCalculator:
     async def run(self, task, chat):
         env = CalculatorEnv()
-        messages = await env.reset(task)
-        while True:
-            msg = await chat(messages, tools=env.tools)
-            messages.append(msg)
-            new, done, reward, correct = await env.step(msg)
-            if done:
-                break
-            messages.extend(new)
+        msg, reward, correct = await _calculator_episode(task, chat, env)
         if sum(map(ord, task["prompt"])) % 2 == 0:
             summary = f"{task['prompt']} The answer was {msg.get('content', '')}. Say it again."
             await chat([{"role": "user", "content": summary}], tools=env.tools)
@@ -61,15 +66,8 @@ class FaultyCalculator:
             raise ValueError(f"the calculator refused {task['prompt']!r}")
         if fault == "hang":
             await asyncio.Event().wait()  # nobody sets it: only the episode's deadline ends this
-        env = CalculatorEnv()
-        messages = await env.reset(task)
-        while True:
-            msg = await chat(messages, tools=env.tools)
-            messages.append(msg)
-            new, done, reward, correct = await env.step(msg)
-            if done:
-                return EpisodeResult(float(reward), correct)
-            messages.extend(new)
+        _, reward, correct = await _calculator_episode(task, chat, CalculatorEnv())
+        return EpisodeResult(float(reward), correct)
 
 
 def faulty_calculator(**cfg):
