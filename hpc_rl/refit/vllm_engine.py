@@ -312,12 +312,13 @@ def refit_in_process(generator: VLLMGenerator, store, port: int, state, version:
 
     from .session import RefitEndpoint, whole_tensor_sources
     from .transport import TorchP2P
-    from .vllm_layout import specs_of
+    from .vllm_layout import specs_of, wire_specs
 
     t0 = time.perf_counter()
-    cast = whole_tensor_sources({k: v.to(getattr(torch, generator.dtype_name)) for k, v in state.items()}, 0)
+    specs = wire_specs(specs_of(state), generator.dtype_name)  # the engine's dtype; float32 where vLLM keeps it
+    cast = whole_tensor_sources({k: v.to(getattr(torch, specs[k][1])) for k, v in state.items()}, 0)
     if endpoint is None:
-        setup = refit_setup(specs_of(state, generator.dtype_name), 1, 1, prefix, timeout_s=timeout_s,
+        setup = refit_setup(specs, 1, 1, prefix, timeout_s=timeout_s,
                             engine_tp=generator.tensor_parallel, engine_ep=generator.expert_parallel)
         joined = []
         joiner = threading.Thread(target=lambda: joined.append(generator.join_refit(setup, 1, "127.0.0.1", port)))

@@ -202,10 +202,12 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
         # vLLM keeps Nemotron-H's A in float32 whatever the engine's dtype (its loader widens
         # A_log before -exp): a lower-precision A_log loads, rounded
         widened = target.endswith(".mixer.A") and vdtype == "float32"
-        if nemotron_h_moe.keeps_fp32(name) and dtype != "float32":
-            problems.append(f"{name}: dtype {dtype} (trainer side); vLLM keeps the router's correction bias in "
-                            f"float32 and it decides the routing: send it in float32 (nemotron_h_moe_layout.keeps_fp32)")
-        elif vdtype != dtype and not widened:
+        router = nemotron_h_moe.keeps_fp32(name)
+        if router and dtype != "float32":
+            problems.append(f"{name}: dtype {dtype} (trainer side); vLLM keeps the router's weight and correction "
+                            f"bias in float32 where it can, and they decide the routing: send them in float32 "
+                            f"(nemotron_h_moe_layout.keeps_fp32)")
+        elif vdtype != dtype and not widened and not router:  # a bf16 router weight: the loader rounds it
             problems.append(f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {target}); the refit sends "
                             f"the engine's dtype, so build the source layout with it")
         if name in targets:
@@ -270,3 +272,11 @@ def _expert_problems(name: str, shape: Sequence[int], dtype: str, params: Mappin
 def specs_of(state: Mapping[str, object], dtype: Optional[str] = None) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """HF name -> (global shape, dtype name) of a state dict (DTensors report global shapes)."""
     return {k: (tuple(v.shape), dtype or str(v.dtype).split(".")[1]) for k, v in state.items()}
+
+
+def wire_specs(specs: Mapping[str, Tuple[Sequence[int], object]], engine_dtype: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """What the refit sends of each tensor: its shape, in the engine's dtype except where vLLM
+    keeps a tensor in float32 whatever the engine's dtype (Nemotron-H's router weight and
+    correction bias: rounded to bf16 they would move the routing; check_against_model refuses it)."""
+    return {n: (tuple(shape), "float32" if nemotron_h_moe.keeps_fp32(n) else engine_dtype)
+            for n, (shape, _) in specs.items()}

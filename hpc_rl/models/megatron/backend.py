@@ -334,8 +334,9 @@ class MegatronBackend:
 
     def source_layout(self, dtype_name: str):
         """The protocol's source layout: computed from the sharding rule, no collective needed."""
-        specs = {n: (shape, dtype_name) for n, (shape, _) in self.refit_specs().items()}
-        return self.refit_source_layout(specs)
+        from hpc_rl.refit.vllm_layout import wire_specs
+
+        return self.refit_source_layout(wire_specs(self.refit_specs(), dtype_name))
 
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
         state = {k: v for k, v in self.core.state_dict().items() if isinstance(v, torch.Tensor)}
