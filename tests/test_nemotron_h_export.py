@@ -86,6 +86,28 @@ def test_an_moe_checkpoint_gets_nemotron_3s_attention_then_moe_mtp_layer(tmp_pat
     assert not info["unexpected_keys"] and not info["missing_keys"]
 
 
+def test_the_moe_asset_set_is_its_trained_set_plus_one_mtp_layer_each(tmp_path):
+    """`tiny_nemotron_moe:<name>` (models/mtp.py WithMtpSpec): the trained MoE hybrid set, each
+    checkpoint copied with one MTP layer, cached on its own key; the trained set is untouched
+    (its build, an hour here, is not redone). A stand-in trained set: a random checkpoint."""
+    from hpc_rl.models.assets import ASSET_SETS, NemotronHMoeModelSpec, build_assets, save_untrained
+    from hpc_rl.models.mtp import WithMtpSpec
+
+    spec = ASSET_SETS["tiny_nemotron_moe"]
+    assert isinstance(spec, WithMtpSpec) and spec.key().startswith(spec.base.key())
+    base_dir = tmp_path / f"tiny-{spec.base.key()}"
+    save_untrained(base_dir / "student", NemotronHMoeModelSpec())
+    (base_dir / "manifest.json").write_text(json.dumps({"models": {"student": {"greedy_accuracy": {}}}}))
+    assets = build_assets(spec, root=tmp_path, log=lambda _: None)
+    derived = _read(assets["student"])
+    assert sum(n.startswith("mtp.layers.") for n in derived) == assets.manifest["mtp"]["added"]["student"] > 0
+    assert json.loads((assets["student"] / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    base = _read(base_dir / "student")
+    assert not any(n.startswith("mtp.") for n in base)  # the trained set keeps no MTP layer
+    assert all(torch.equal(derived[n], t) for n, t in base.items())  # and its weights are the derived set's
+    assert build_assets(spec, root=tmp_path).root == assets.root  # cached
+
+
 def test_add_mtp_layer_refuses(tmp_path, with_mtp):
     from hpc_rl.models.assets import ModelSpec, NemotronHModelSpec, save_untrained
     from hpc_rl.models.mtp import add_mtp_layer

@@ -30,6 +30,7 @@ import torch
 
 from hpc_rl.data import tasks as task_gen
 
+from .mtp import WithMtpSpec, build_with_mtp
 from .tokenizer import build_tokenizer
 
 ASSET_VERSION = 2  # 2: the tokenizer's eos is <|end|>
@@ -144,7 +145,10 @@ NEMOTRON_H_ASSETS = AssetSpec(model=NemotronHModelSpec(), models=AssetSpec().mod
 # the trainer and the teachers only. Measured (held-out greedy, 64 prompts a task): teachers
 # 100% on their own task, 0-5% on the other; student 34% / 38%. Built in 3971 s on the 2-core
 # machine shared with other runs (HF's expert loop and Mamba fallback per MoE layer).
-NEMOTRON_H_MOE_ASSETS = AssetSpec(model=NemotronHMoeModelSpec(), models=AssetSpec().models)
+NEMOTRON_H_MOE_TRAINED = AssetSpec(model=NemotronHMoeModelSpec(), models=AssetSpec().models)
+
+
+NEMOTRON_H_MOE_ASSETS = WithMtpSpec(NEMOTRON_H_MOE_TRAINED)
 
 
 @dataclass(frozen=True)
@@ -362,6 +366,8 @@ def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log
         from hpc_rl.agentic.teacher import build_agentic_assets
 
         return build_agentic_assets(spec, root, log)
+    if isinstance(spec, WithMtpSpec):
+        return build_with_mtp(spec, root, log)
 
     def build(tmp: Path) -> dict:
         t0 = time.time()

@@ -23,7 +23,8 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -125,3 +126,35 @@ def add_mtp_layer(checkpoint, seed: int = 0, pattern: Optional[str] = None) -> L
                   mtp_layers_block_type=[_LETTER_TO_TYPE[c] for c in pattern])
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return sorted(tensors)
+
+
+@dataclass(frozen=True)
+class WithMtpSpec:
+    """A trained set with one MTP layer added to every checkpoint (models/mtp.py), as Nemotron 3
+    checkpoints carry them: a derived set cached on its own, so adding the layer (seconds)
+    never retrains the base set (an hour on 2 cores for the MoE hybrid)."""
+
+    base: Any  # an assets.AssetSpec
+    seed: int = 0
+
+    def key(self) -> str:
+        return f"{self.base.key()}-mtp1s{self.seed}"
+
+
+def build_with_mtp(spec: WithMtpSpec, root: Optional[Path], log: Callable[[str], None]):
+    """The assets of `spec` (assets.Assets): the base set's checkpoints, each with one MTP layer."""
+    import shutil
+
+    from .assets import build_assets, cached_build
+
+    base = build_assets(spec.base, root, log)
+
+    def build(tmp: Path) -> dict:
+        manifest = dict(base.manifest, mtp={"base": base.root.name, "layers": 1, "added": {}})
+        for i, name in enumerate(base.manifest["models"]):
+            shutil.copytree(base[name], tmp / name)
+            manifest["mtp"]["added"][name] = len(add_mtp_layer(tmp / name, seed=spec.seed + i))
+            log(f"[assets] {name}: one MTP layer added ({manifest['mtp']['added'][name]} tensors)")
+        return manifest
+
+    return cached_build(spec, root, build)
