@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny
 # student by two tiny teachers, every role a real local process (about 7 minutes here,
-# plus about 2 minutes the first time to train the tiny models).
+# the tiny models are copied from tiny_assets/ into the cache on first use).
 demo: setup
 	$(PY) -m hpc_rl.launch +recipe=tiny_mopd
 

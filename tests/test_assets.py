@@ -33,3 +33,21 @@ def test_build_is_cached_and_checkpoints_are_self_contained(tmp_path):
     assert sum("training" in line for line in logs) == 2  # nothing retrained
     other = AssetSpec(model=MICRO.model, models=MICRO.models[:1], eval_samples=2)
     assert other.key() != MICRO.key()
+
+
+def test_the_shipped_sets_are_current_and_copied_into_an_empty_cache(tmp_path):
+    """tiny_assets/: each shipped set is a current spec's (a stale one fails here), and an
+    empty cache gets a byte-identical copy without training anything."""
+    from hpc_rl.models.asset_cache import SHIPPED
+    from hpc_rl.models.assets import ASSET_SETS
+
+    shipped = sorted(p.name for p in SHIPPED.glob("tiny-*"))
+    keys = {f"tiny-{spec.key()}": name for name, spec in ASSET_SETS.items()}
+    assert shipped and set(shipped) <= set(keys), f"stale shipped sets: {set(shipped) - set(keys)}"
+    assert {keys[s] for s in shipped} == {"tiny", "tiny_moe", "tiny_agentic"}  # what the suite and the demo use
+    logs = []
+    assets = build_assets(ASSET_SETS["tiny"], root=tmp_path, log=logs.append)
+    assert logs == []  # nothing trained
+    for f in (SHIPPED / assets.root.name).rglob("*"):
+        if f.is_file():
+            assert (assets.root / f.relative_to(SHIPPED / assets.root.name)).read_bytes() == f.read_bytes(), f

@@ -100,7 +100,8 @@ def student_baseline(n: int = 64) -> dict:
 def build_agentic_assets(spec, root: Optional[Path] = None, log: Callable[[str], None] = print):
     """Find the cached calculator teacher (and students) for `spec` (models/assets.py
     AgenticAssetSpec) or build them; a teacher below `spec.min_accuracy` fails the build."""
-    from hpc_rl.models.assets import ASSET_VERSION, cached_build, new_model
+    from hpc_rl.models.asset_cache import cached_build
+    from hpc_rl.models.assets import ASSET_VERSION, new_model
     from hpc_rl.models.tokenizer import build_tokenizer
 
     def build(tmp: Path) -> dict:

@@ -19,10 +19,9 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -30,6 +29,7 @@ import torch
 
 from hpc_rl.data import tasks as task_gen
 
+from .asset_cache import Assets, cached_build, default_root  # noqa: F401 (re-exported)
 from .mtp import WithMtpSpec, build_with_mtp
 from .tokenizer import build_tokenizer
 
@@ -184,10 +184,6 @@ ASSET_SETS = {"tiny": AssetSpec(), "tiny_moe": MOE_ASSETS, "tiny_nemotron": NEMO
               "tiny_nemotron_moe": NEMOTRON_H_MOE_ASSETS, "tiny_agentic": AGENTIC_ASSETS}
 
 
-def default_root() -> Path:
-    return Path(os.environ.get("HPC_RL_ASSETS", Path.home() / ".cache" / "hpc_rl" / "assets"))
-
-
 def chat_prompt(tok, prompt: str) -> List[int]:
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
@@ -325,39 +321,6 @@ def greedy_accuracy(model, tok, task: str, n: int, seed: int = 10_000) -> float:
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         correct += score(s["task"], text, s["answer"]).correct  # the generator's name may differ from the task's
     return correct / n
-
-
-@dataclass
-class Assets:
-    root: Path
-    paths: Dict[str, Path] = field(default_factory=dict)
-    manifest: dict = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> Path:
-        return self.paths[name]
-
-
-def cached_build(spec, root: Optional[Path], build: Callable[[Path], dict]) -> Assets:
-    """The assets of `spec` from the cache, or built by `build(tmp) -> manifest` into a
-    temporary directory renamed into place when complete (a failed build leaves nothing)."""
-    root = Path(root or default_root())
-    final = root / f"tiny-{spec.key()}"
-    if not (final / "manifest.json").exists():
-        tmp = root / f".tiny-{spec.key()}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            manifest = build(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first: use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    manifest = json.loads((final / "manifest.json").read_text())
-    return Assets(final, {name: final / name for name in manifest["models"]}, manifest)
 
 
 def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log: Callable[[str], None] = print) -> Assets:

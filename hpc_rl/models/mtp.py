@@ -145,7 +145,8 @@ def build_with_mtp(spec: WithMtpSpec, root: Optional[Path], log: Callable[[str],
     """The assets of `spec` (assets.Assets): the base set's checkpoints, each with one MTP layer."""
     import shutil
 
-    from .assets import build_assets, cached_build
+    from .asset_cache import cached_build
+    from .assets import build_assets
 
     base = build_assets(spec.base, root, log)
 
