@@ -9,6 +9,7 @@ One directory per run holds everything the job side reads and writes:
   errors/fatal.<restart>.txt           a failure no retry can fix: the batch shell does not requeue
   FINISHED                       the run is complete: never run (or requeued) again
   .save_request.<restart>        the batch shell's USR1 trap asks the ranks to save and stop
+  release_stall                  a chaos drill ends an injected stall (runtime/faults.py)
   stopped.<restart>.json         the ranks saved and stopped on request: requeue, do not fail
   job_exit.json                  the batch shell's verdict (read when Slurm forgot the job)
   restarts.jsonl                 one line per resume
@@ -72,6 +73,7 @@ class RunDir:
     BATCH_LOG = "batch.out"
     ERRORS = "errors"
     FINISHED = "FINISHED"
+    STALL_RELEASE = "release_stall"  # a drill that has seen what an injected stall waits for ends it
     JOB_EXIT = "job_exit.json"
     RESTARTS = "restarts.jsonl"
     METRICS = "metrics.jsonl"
@@ -139,6 +141,10 @@ class RunDir:
     @property
     def finished(self) -> Path:
         return self.path / self.FINISHED
+
+    @property
+    def stall_release(self) -> Path:
+        return self.path / self.STALL_RELEASE
 
     @property
     def job_exit(self) -> Path:

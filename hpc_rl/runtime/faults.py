@@ -5,7 +5,8 @@
 a crashed process), hang (the main thread blocks forever while heartbeats go on: a
 stuck collective, which only the progress watchdog notices) or stall<N> (the rank sleeps
 N seconds, then goes on: a straggler; the drills use it to land a signal inside a step,
-however fast the machine runs the steps). Without @step it fires at start-up, after rendezvous; with it, at the
+however fast the machine runs the steps; it ends early once the run directory's
+`release_stall` file exists, which a drill creates when it has seen what it waited for). Without @step it fires at start-up, after rendezvous; with it, at the
 start of that training step; with @train<N> (trainer ranks), inside step N's train phase,
 after its batch is collected and before the forward and backward passes (a train step that
 outlasts the refit deadline); with @save<N>, inside the checkpoint save of step N, after the
@@ -72,10 +73,24 @@ def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, s
             time.sleep(3600)
     if inj.how == "stall":
         print(f"hpc_rl: injected failure: {where} stalls for {inj.stall_s}s (ft.inject_failure={spec})", flush=True)
-        time.sleep(inj.stall_s)
+        _stall(inj.stall_s)
         return
     if inj.how == "freeze":
         print(f"hpc_rl: injected failure: SIGSTOP on {where} (ft.inject_failure={spec})", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     raise RuntimeError(f"injected failure on {where} (ft.inject_failure={spec})")
+
+
+def _stall(seconds: float) -> None:
+    """Sleep `seconds`, or less once the run directory's release file exists."""
+    from hpc_rl.rundir import RunDir
+    from hpc_rl.runtime.env import RUN_DIR
+
+    release = RunDir(os.environ[RUN_DIR]).stall_release if os.environ.get(RUN_DIR) else None
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if release is not None and release.exists():
+            print(f"hpc_rl: injected stall released after {seconds - (end - time.monotonic()):.1f}s", flush=True)
+            return
+        time.sleep(min(0.2, max(0.0, end - time.monotonic())))

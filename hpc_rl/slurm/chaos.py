@@ -33,6 +33,7 @@ class DrillResult:
     job_exit: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     events: dict = field(default_factory=dict)  # what the drill measured (seconds, steps)
+    run_dir: str = ""
 
     @property
     def finished(self) -> bool:
@@ -109,7 +110,7 @@ def result(run_dir: Path, job_id: str, state: str, t0: float, events: Optional[d
     restarts = [json.loads(x) for x in rd.restarts.read_text().splitlines()] if rd.restarts.exists() else []
     job_exit = json.loads(rd.job_exit.read_text()) if rd.job_exit.exists() else {}
     summary = json.loads(rd.summary.read_text()) if rd.summary.exists() else {}
-    return DrillResult(state, time.monotonic() - t0, job_id, restarts, job_exit, summary, events or {})
+    return DrillResult(state, time.monotonic() - t0, job_id, restarts, job_exit, summary, events or {}, str(run_dir))
 
 
 def uninterrupted(run_dir: Path, overrides: Sequence[str], timeout_s: float = 900) -> DrillResult:
@@ -121,7 +122,9 @@ def uninterrupted(run_dir: Path, overrides: Sequence[str], timeout_s: float = 90
 # A step of the tiny drills takes about a second here, so a signal sent once N steps are
 # recorded could land after the run has finished. Trainer rank 0 therefore stalls at the
 # start of step N+1 (after that step's stop check): the interruption always lands inside it.
-STALL_S = 12
+# The USR1 drill releases the stall as soon as the batch shell has recorded the signal, and a
+# requeue ends it, so the bound only matters on a machine too loaded to do either sooner.
+STALL_S = 60
 
 
 def stalled_after(overrides: Sequence[str], after_steps: int) -> List[str]:
@@ -145,7 +148,12 @@ def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, time
     job = launch_stalled(run_dir, overrides, after_steps, timeout_s)
     t_sig = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
-    stopped = RunDir(run_dir).stopped(0)
+    rd = RunDir(run_dir)
+    # the batch shell's trap has written the save request: the ranks will see it once the
+    # stalled step ends, so the stall has served and is released (runtime/faults.py)
+    wait_for(rd.save_request(0).exists, 120, "the batch shell's save request", explain=lambda: explain(run_dir, job))
+    rd.stall_release.touch()
+    stopped = rd.stopped(0)
     wait_for(stopped.exists, 300, "the ranks to save and stop", explain=lambda: explain(run_dir, job))
     saved = json.loads(stopped.read_text())
     # signal -> checkpoint includes the rest of the (stalled) step; the save alone is save_s
