@@ -138,6 +138,9 @@ def test_a_helper_past_its_deadline_is_killed_and_replaced(helper, monkeypatch):
     r = in_thread(verify_math, TOWER, "5")
     assert time.monotonic() - start < 10
     assert (r.correct, r.reason) == (False, "math-verify failed: WorkerError: math-verify helper gave no answer in 2 s; killed")
+    # the replacement answers: its first call imports math-verify, which a loaded machine
+    # stretched past 2 s (load average 13-20, seen), so the claim is checked with a long deadline
+    monkeypatch.setattr(math_verifier, "HELPER_DEADLINE_S", 120)
     assert in_thread(verify_math, r"\boxed{\frac{1}{2}}", "0.5").correct and helper.starts == 2
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple, Union
@@ -138,7 +139,11 @@ def write_reads(path: Union[str, Path]) -> Path:
     try:
         data = {k: sorted(v) for k, v in sorted(reads().items())}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"reads": data}, indent=1) + "\n")
+        # whole or not at all: a rank cancelled while writing left an empty file (seen), which
+        # the suite's check of every run's reads could not parse
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"reads": data}, indent=1) + "\n")
+        os.replace(tmp, path)
     except Exception as exc:  # noqa: BLE001 (a full or read-only run directory, ...)
         print(f"hpc_rl: could not write {path}: {exc}", file=sys.stderr)
     return path
