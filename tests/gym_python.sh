@@ -39,10 +39,15 @@ mkdir -p "$dir/bin"
 # that servers started inside answer on the host's loopback and read the same files.
 # The host's CA bundle replaces the root's: some sites intercept TLS with a local CA.
 write_wrapper() {
+    # bwrap run unprivileged cannot create mount points in the root-owned tree: make them now
+    # (bwrap run as root makes them 0700, which locks other users out: open them up)
+    mkdir -p "$root$repo" || die "cannot create the mount point $root$repo (run once as the tree's owner)"
+    local d=$repo
+    while [ "$d" != / ]; do chmod 755 "$root$d" 2>/dev/null || true; d=$(dirname "$d"); done
     cat > "$wrapper.tmp" <<EOF
 #!/usr/bin/env bash
 # TEST-ONLY (written by tests/gym_python.sh): the sid root's $py with nemo-gym, via bubblewrap.
-# Extra bind mounts: GYM_PY_BIND="src1:dst1 src2:dst2".
+# Extra bind mounts: GYM_PY_BIND="src1:dst1 src2:dst2" (unprivileged: each dst must exist in the root).
 set -euo pipefail
 extra=()
 for b in \${GYM_PY_BIND:-}; do extra+=(--bind "\${b%%:*}" "\${b#*:}"); done
