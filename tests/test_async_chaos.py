@@ -5,9 +5,6 @@ nothing sampled twice) and no sample trained beyond the age bound."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import h5py
 import numpy as np
 import pytest
@@ -34,39 +31,20 @@ def _same_samples_within_the_bound(run, reference) -> None:
         assert np.array_equal(first, want[name][1]) and ((step - 1) - first <= 1).all(), (name, first)
 
 
-def _killed_generator(run):
-    t0 = chaos.time.monotonic()
-    # SIGKILL of the generator when step 4's order reaches it (sent during step 3)
-    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
-    return chaos.result(run, job, chaos.follow(run, job, timeout_s=1200), t0)
-
-
 @pytest.fixture(scope="module")
-def drills(local_slurm, tmp_path_factory):
-    """The three runs of this module submitted at once, each followed by its own thread
-    (tests/test_chaos_slurm.py says why: Slurm runs two at a time, their waits overlap)."""
-    root = tmp_path_factory.mktemp("async_drills")
-    for name in ("ref", "usr1", "killed"):
-        (root / name).mkdir()
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        yield {"reference": pool.submit(chaos.uninterrupted, root / "ref" / "run", RUN, 1200),
-               "usr1": pool.submit(chaos.usr1_mid_run, root / "usr1" / "run", RUN, 2, 1200),
-               "killed": pool.submit(_killed_generator, root / "killed" / "run")}
-
-
-@pytest.fixture(scope="module")
-def reference(drills):
-    res = drills["reference"].result()
+def reference(local_slurm, tmp_path_factory):
+    run = tmp_path_factory.mktemp("async_ref") / "run"
+    res = chaos.uninterrupted(run, RUN)
     assert res.finished, res
-    return Path(res.run_dir), res
+    return run, res
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_usr1_with_async_rollouts_resumes_from_the_saved_buffer_and_matches(drills, reference):
+def test_usr1_with_async_rollouts_resumes_from_the_saved_buffer_and_matches(local_slurm, reference, tmp_path):
     ref_run, ref = reference
-    res = drills["usr1"].result()
-    run = Path(res.run_dir)
+    run = tmp_path / "run"
+    res = chaos.usr1_mid_run(run, RUN, after_steps=2)
     assert res.finished, res
     # stopped after step 3 with step 4 sampled ahead: the buffer held it through the requeue
     assert res.events["checkpoint_saved"] and res.events["stopped_after_step"] == 3
@@ -77,10 +55,14 @@ def test_usr1_with_async_rollouts_resumes_from_the_saved_buffer_and_matches(dril
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_killed_generator_with_async_rollouts_recomputes_from_the_checkpoint_and_matches(drills, reference):
+def test_killed_generator_with_async_rollouts_recomputes_from_the_checkpoint_and_matches(local_slurm, reference,
+                                                                                         tmp_path):
     ref_run, ref = reference
-    res = drills["killed"].result()
-    run = Path(res.run_dir)
+    run = tmp_path / "run"
+    t0 = chaos.time.monotonic()
+    # SIGKILL of the generator when step 4's order reaches it (sent during step 3)
+    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
+    res = chaos.result(run, job, chaos.follow(run, job), t0)
     assert res.finished, res
     assert [(r["restart"], r["resumed_from_step"]) for r in res.restarts] == [(1, 2)]
     assert res.summary["final_weights_sha256"] == ref.summary["final_weights_sha256"]

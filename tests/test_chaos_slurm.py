@@ -5,8 +5,6 @@ outside, an exhausted retry budget) and must finish, or fail saying why, on its 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -25,61 +23,10 @@ def _resumes(res: chaos.DrillResult) -> list:
     return [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts]
 
 
-def _killed_generator_under_attack(run) -> tuple:
-    """SIGKILL of the generator at the start of step 4 (step 3, after the step-2 checkpoint,
-    is lost and recomputed), while a neighbour attacks the requeued attempt (below)."""
-    t0 = chaos.time.monotonic()
-    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
-    # Issue 29's attack, on the weights: a neighbour without the job's secret attacks the
-    # second attempt (the requeue after the kill) as soon as its store listens: a
-    # file-creating pickle under the readiness key of every refit, forged abort verdicts
-    # (tests/neighbour.py; the het job in tests/test_rl_loop.py also forges rank records).
-    # The attempt must finish with the undisturbed reference's weights, the rejections counted.
-    marker, forged = run.parent / "pwned", {}
-
-    def neighbour_attacks():
-        try:
-            forged.update(neighbour.attack(run, neighbour.Submitted(run), marker, world=3, refit_world=2, refits=6,
-                                           restart=1, deadline_s=1200))
-        except AssertionError as exc:
-            forged["error"] = str(exc)
-
-    attacker = threading.Thread(target=neighbour_attacks, daemon=True)
-    attacker.start()
-    res = chaos.result(run, job, chaos.follow(run, job, timeout_s=1200), t0)  # follow releases the requeue hold
-    attacker.join(timeout=120)
-    return res, forged, marker
-
-
-def _retry_budget_exhausted(run) -> tuple:
-    t0 = chaos.time.monotonic()
-    job = chaos.launch(run, [*RUN, "ft.max_restarts=0", "ft.inject_failure=generator:0:kill@2"])
-    state = chaos.follow(run, job, timeout_s=1200)
-    return state, chaos.result(run, job, state, t0)
-
-
 @pytest.fixture(scope="module")
-def drills(local_slurm, tmp_path_factory):
-    """Every run of this module submitted at once, each followed by its own thread: Slurm runs
-    two of these three-node jobs at a time on the six nodes, so one job's waits (the drills'
-    stalls, Slurm's requeue hold, its scheduling) overlap another's work (issue 30: the
-    drills ran one after another before). The checks are the same; each test reads its run.
-    The uninterrupted run's final weights are what every drill must reach."""
-    root = tmp_path_factory.mktemp("drills")
-    for name in ("ref", "usr1", "killed", "requeue", "budget"):
-        (root / name).mkdir()
-    timeout = 1200  # a drill may wait in the queue behind two others
-    with ThreadPoolExecutor(max_workers=5) as pool:
-        yield {"reference": pool.submit(chaos.uninterrupted, root / "ref" / "run", RUN, timeout),
-               "usr1": pool.submit(chaos.usr1_mid_run, root / "usr1" / "run", RUN, 2, timeout),
-               "killed": pool.submit(_killed_generator_under_attack, root / "killed" / "run"),
-               "requeue": pool.submit(chaos.external_requeue, root / "requeue" / "run", RUN, 3, timeout),
-               "budget": pool.submit(_retry_budget_exhausted, root / "budget" / "run")}
-
-
-@pytest.fixture(scope="module")
-def reference(drills):
-    res = drills["reference"].result()
+def reference(local_slurm, tmp_path_factory):
+    """The same run without interruption: its final weights are what every drill must reach."""
+    res = chaos.uninterrupted(tmp_path_factory.mktemp("ref") / "run", RUN)
     assert res.finished, res
     assert len(res.summary["final_weights_sha256"]) == 64, res.summary  # the drills compare against it
     return res
@@ -87,9 +34,9 @@ def reference(drills):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_usr1_saves_requeues_resumes_and_matches_the_uninterrupted_weights(drills, reference):
-    res = drills["usr1"].result()
-    run = Path(res.run_dir)
+def test_usr1_saves_requeues_resumes_and_matches_the_uninterrupted_weights(local_slurm, reference, tmp_path):
+    run = tmp_path / "run"
+    res = chaos.usr1_mid_run(run, RUN, after_steps=2)
     assert res.finished, res
     # the signal lands inside step 3 (the drill stalls it): the ranks finish it and save it,
     # though step 3 is no periodic checkpoint (every 2), then stop
@@ -103,9 +50,30 @@ def test_usr1_saves_requeues_resumes_and_matches_the_uninterrupted_weights(drill
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_killed_generator_requeues_recomputes_the_lost_step_and_matches(drills, reference):
-    res, forged, marker = drills["killed"].result()
-    run = Path(res.run_dir)
+def test_killed_generator_requeues_recomputes_the_lost_step_and_matches(local_slurm, reference, tmp_path):
+    run = tmp_path / "run"
+    t0 = chaos.time.monotonic()
+    # SIGKILL of the generator at the start of step 4: step 3 (after the step-2 checkpoint)
+    # is lost and recomputed
+    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
+    # Issue 29's attack, on the weights: a neighbour without the job's secret attacks the
+    # second attempt (the requeue after the kill) as soon as its store listens: a
+    # file-creating pickle under the readiness key of every refit, forged abort verdicts
+    # (tests/neighbour.py; the het job in tests/test_rl_loop.py also forges rank records).
+    # The attempt must finish with the undisturbed reference's weights, the rejections counted.
+    marker, forged = tmp_path / "pwned", {}
+
+    def neighbour_attacks():
+        try:
+            forged.update(neighbour.attack(run, neighbour.Submitted(run), marker, world=3, refit_world=2, refits=6,
+                                           restart=1))
+        except AssertionError as exc:
+            forged["error"] = str(exc)
+
+    attacker = threading.Thread(target=neighbour_attacks, daemon=True)
+    attacker.start()
+    res = chaos.result(run, job, chaos.follow(run, job), t0)  # follow releases the requeue hold
+    attacker.join(timeout=120)
     assert res.finished, res
     assert _resumes(res) == [(1, 2, 1)]
     assert all((run / "logs" / f"generator.{k}.out").exists() for k in (0, 1))  # one log per restart
@@ -119,10 +87,11 @@ def test_killed_generator_requeues_recomputes_the_lost_step_and_matches(drills, 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_external_requeue_mid_step_resumes_from_the_last_checkpoint_and_matches(drills, reference):
+def test_external_requeue_mid_step_resumes_from_the_last_checkpoint_and_matches(local_slurm, reference, tmp_path):
+    run = tmp_path / "run"
     # `scontrol requeue` from outside during step 4: resumes from the step-2 checkpoint and
     # recomputes step 3 (step 4 never finished)
-    res = drills["requeue"].result()
+    res = chaos.external_requeue(run, RUN, after_steps=3)
     assert res.finished, res
     assert _resumes(res) == [(1, 2, 1)]
     assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
@@ -130,9 +99,12 @@ def test_external_requeue_mid_step_resumes_from_the_last_checkpoint_and_matches(
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_retry_budget_exhausted_ends_the_job_failed_saying_so(drills):
-    state, res = drills["budget"].result()
-    run = Path(res.run_dir)
+def test_retry_budget_exhausted_ends_the_job_failed_saying_so(local_slurm, tmp_path):
+    run = tmp_path / "run"
+    t0 = chaos.time.monotonic()
+    job = chaos.launch(run, [*RUN, "ft.max_restarts=0", "ft.inject_failure=generator:0:kill@2"])
+    state = chaos.follow(run, job, timeout_s=600)
+    res = chaos.result(run, job, state, t0)
     assert state == "FAILED" and not res.summary and res.restarts == []
     assert res.job_exit["requeued"] is False and res.job_exit["failed_role"] == "generator"
     assert "retry budget exhausted after 0 restarts (ft.max_restarts=0)" in res.job_exit["detail"]

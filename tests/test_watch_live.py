@@ -355,6 +355,7 @@ def test_watch_shows_live_metrics_phases_and_stragglers_of_a_running_slurm_job(l
     # the stall is trainer:0's own time, in its step 3's start phase, until the test released it
     steps = [json.loads(x) for x in RunDir(run).step_timing("trainer", 0, 0).read_text().splitlines()]
     t3 = steps[2]
-    assert t3["step"] == 3 and t3["end"] >= released_at and t3["phases"]["start"] == max(t3["phases"].values()), t3
-    assert t3["phases"]["start"] > max(x["step_s"] for x in steps if x["step"] != 3), steps
-    assert "injected stall released after" in (run / "logs" / "trainer.0.out").read_text()
+    stalled = re.search(r"injected stall released after (\d+\.\d)s", (run / "logs" / "trainer.0.out").read_text())
+    assert stalled, "the stall was not released by the test"
+    # the whole stall is accounted in step 3's start phase (the log rounds to 0.1 s)
+    assert t3["step"] == 3 and t3["end"] >= released_at and t3["phases"]["start"] >= float(stalled.group(1)) - 0.05, t3
