@@ -172,8 +172,8 @@ def main() -> int:
         after = measure(gen, reference, prompts)
         want = {k: v.tolist() for k, v in trained["state"].items() if k.endswith(BIAS)}
         held = gen.llm.collective_rpc("hpc_rl_tensors", args=(BIAS,)) if want else []
-        moved = {k: v.tolist() != FSDP2Backend(str(ckpt), train=False).model.state_dict()[k].tolist()
-                 for k, v in trained["state"].items() if k.endswith(BIAS)}
+        initial = FSDP2Backend(str(ckpt), train=False).model.state_dict() if want else {}
+        moved = {k: trained["state"][k].tolist() != initial[k].tolist() for k in want}
         src = Layout.from_dict(setup.src)
         expert_bytes = {r: sum(p.numel() * t.itemsize for t in src.tensors.values() if ".experts." in t.name
                                for p in t.pieces if p.rank == r) for r in range(EP)}

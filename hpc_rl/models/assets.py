@@ -146,8 +146,7 @@ NEMOTRON_H_ASSETS = AssetSpec(model=NemotronHModelSpec(), models=AssetSpec().mod
 # 100% on their own task, 0-5% on the other; student 34% / 38%. Built in 3971 s on the 2-core
 # machine shared with other runs (HF's expert loop and Mamba fallback per MoE layer).
 NEMOTRON_H_MOE_TRAINED = AssetSpec(model=NemotronHMoeModelSpec(), models=AssetSpec().models)
-
-
+# ... as referenced (tiny_nemotron_moe:<name>): each checkpoint with one MTP layer
 NEMOTRON_H_MOE_ASSETS = WithMtpSpec(NEMOTRON_H_MOE_TRAINED)
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 import json
 import re
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch

@@ -33,7 +33,6 @@ class DrillResult:
     job_exit: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     events: dict = field(default_factory=dict)  # what the drill measured (seconds, steps)
-    run_dir: str = ""
 
     @property
     def finished(self) -> bool:
@@ -110,7 +109,7 @@ def result(run_dir: Path, job_id: str, state: str, t0: float, events: Optional[d
     restarts = [json.loads(x) for x in rd.restarts.read_text().splitlines()] if rd.restarts.exists() else []
     job_exit = json.loads(rd.job_exit.read_text()) if rd.job_exit.exists() else {}
     summary = json.loads(rd.summary.read_text()) if rd.summary.exists() else {}
-    return DrillResult(state, time.monotonic() - t0, job_id, restarts, job_exit, summary, events or {}, str(run_dir))
+    return DrillResult(state, time.monotonic() - t0, job_id, restarts, job_exit, summary, events or {})
 
 
 def uninterrupted(run_dir: Path, overrides: Sequence[str], timeout_s: float = 900) -> DrillResult:
