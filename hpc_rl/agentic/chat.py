@@ -90,6 +90,33 @@ class RecordingChat:
         self._turn_end = time.perf_counter()
         return msg
 
+    async def tokens(self, prompt_ids: List[int], max_tokens: Optional[int] = None) -> tuple:
+        """A policy call for a client that renders its own prompts (verifiers' renderer):
+        the prompt as token ids, recorded by `TokenHistory.prompt_ids` (a prefix of what the
+        history holds extends it; anything else is a sibling), under the same limits as a
+        chat turn. `max_tokens`: the client's cap, within the trajectory's budget. Returns
+        what the policy returned: (ids, logprobs, version_first, version_last, finish)."""
+        lim = self.limits
+        self._mark_env(time.perf_counter())
+        if self.turns >= lim.max_turns:
+            raise Truncated("max_turns")
+        ids = self.history.prompt_ids(prompt_ids)
+        budget = lim.max_tokens - len(ids)
+        if budget <= 0:
+            raise Truncated("max_tokens")
+        n = min(budget, lim.max_tokens_per_turn or budget, max_tokens or budget)
+        try:
+            out = await asyncio.wait_for(self.policy(list(ids), n), lim.turn_timeout_s)
+        except asyncio.TimeoutError:
+            raise Truncated("turn_timeout") from None
+        gen_ids, logprobs, v_first, v_last, finish = out[:5]
+        self.history.add_policy(gen_ids, logprobs, v_first, v_last, finish, out[5] if len(out) > 5 else None)
+        self.turns += 1
+        if finish == "length" and n == budget:
+            self.hit_token_cap = True
+        self._turn_end = time.perf_counter()
+        return tuple(out[:5])
+
     async def chat(self, messages: List[dict], tools: Optional[list] = None) -> dict:
         """The same call as `await chat(messages)`, spelled as a client method."""
         return await self(messages, tools)

@@ -196,5 +196,12 @@ def _calculator(**cfg) -> Episode:
     return StepwiseEpisode(lambda: CalculatorEnv(**cfg))
 
 
+def _verifiers(**cfg) -> Episode:
+    from .verifiers_bridge import VerifiersEpisode
+
+    return VerifiersEpisode(**cfg)
+
+
 register_environment("single_turn", lambda **cfg: SingleTurnEpisode(**cfg))
+register_environment("verifiers", _verifiers)
 register_environment("calculator", _calculator)

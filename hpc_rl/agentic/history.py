@@ -108,6 +108,27 @@ class TokenHistory:
         self._held = text
         return self.current.full_ids()
 
+    def prompt_ids(self, ids: Sequence[int]) -> List[int]:
+        """The token-in twin of `prompt`, for a client that renders its own prompts (an
+        adapted library's renderer): when the current sample's ids are a prefix of `ids`,
+        the rest is the environment's delta (mask 0); otherwise a sibling sample starts
+        with `ids` as its prompt. The ids are taken as given: nothing is re-tokenized."""
+        ids = [int(i) for i in ids]
+        held = self.current.full_ids() if self.samples else None
+        if held is not None and ids[:len(held)] == held:
+            delta = ids[len(held):]
+            s = self.current
+            s.response_ids += delta
+            s.logprobs += [0.0] * len(delta)
+            s.loss_mask += [0] * len(delta)
+            s.token_versions += [ENV_VERSION] * len(delta)
+        else:
+            if self.samples:
+                self.siblings += 1
+            self.samples.append(_Sample(prompt_ids=ids))
+        self._held = self.tok.decode(ids, skip_special_tokens=False)
+        return self.current.full_ids()
+
     def add_policy(self, ids: Sequence[int], logprobs: Sequence[float], version_first: int, version_last: int,
                    finish_reason: str = "stop", versions: Optional[Sequence[int]] = None) -> str:
         """Append the policy's generated ids verbatim; returns their text (special tokens kept).

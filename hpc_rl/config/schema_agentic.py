@@ -5,10 +5,29 @@ Its comments document the keys like schema.py's do (hpc_rl/config/reference.py r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 from .trace import Traced
+
+
+@dataclass
+class VerifiersConfig(Traced):
+    """A verifiers (0.4.0, prime-rl's library) environment run unchanged
+    (hpc_rl/agentic/verifiers_bridge.py), used when env.agentic.environment is `verifiers`.
+    verifiers runs in its own virtualenv (`make verifiers-env`); its model calls reach the
+    generator's token route through a loopback proxy on the env rank."""
+
+    # The verifiers taskset id: a package installed in that virtualenv (tiny-arith: the repo's
+    # environments/tiny_arith). Required with env.agentic.environment=verifiers.
+    taskset: Optional[str] = None
+    # The taskset's config fields, as text (verifiers' own config checks and converts them),
+    # e.g. {num_tasks: "512", operation: plus}.
+    taskset_args: Dict[str, str] = field(default_factory=dict)
+    harness: str = "null"  # verifiers' agent harness id (null: its plain chat loop, tools through MCP)
+    runtime: str = "subprocess"  # verifiers' runtime type for the harness's program (subprocess: on the env node)
+    # The virtualenv's python (relative to the repository, or absolute): made by `make verifiers-env`.
+    python: str = ".venv-verifiers/bin/python"
 
 
 @dataclass
@@ -17,7 +36,8 @@ class AgenticConfig(Traced):
     through their generator's endpoint (hpc_rl/serving/) and call tools; each episode
     becomes a token-exact trajectory in which only the policy's tokens are trained on."""
 
-    # A registered environment (hpc_rl/agentic/contract.py: calculator, single_turn) or a
+    # A registered environment (hpc_rl/agentic/contract.py: calculator, single_turn, verifiers:
+    # a verifiers environment, configured by env.agentic.verifiers) or a
     # 'package.module:factory' the env ranks import. None: single-turn verifiers score one
     # answer per prompt (no endpoint is started).
     environment: Optional[str] = None
@@ -41,3 +61,4 @@ class AgenticConfig(Traced):
     # vLLM's tool parser (its ToolParserManager name) for the endpoint's chat route and the
     # episodes' tool calls: `pythonic` needs no special tokens (the tiny models' format).
     tool_parser: str = "pythonic"
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)  # with environment=verifiers

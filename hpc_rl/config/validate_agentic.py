@@ -8,8 +8,28 @@ from .errors import Violation, check_positive
 from .schema import RunConfig
 
 
+def check_verifiers(out: List[Violation], cfg: RunConfig) -> None:
+    """env.agentic.verifiers: set only for a verifiers environment, and then complete."""
+    from hpc_rl.agentic.verifiers_bridge import venv_python
+
+    a, v = cfg.env.agentic, cfg.env.agentic.verifiers
+    if a.environment != "verifiers":
+        if v.taskset is not None or v.taskset_args:
+            out.append(Violation("env.agentic.verifiers.taskset", v.taskset, "is read only by a verifiers environment",
+                                 "set env.agentic.environment=verifiers, or leave env.agentic.verifiers unset"))
+        return
+    if not v.taskset:
+        out.append(Violation("env.agentic.verifiers.taskset", v.taskset, "a verifiers environment needs its taskset id",
+                             "set env.agentic.verifiers.taskset (e.g. tiny-arith), a package of the verifiers virtualenv"))
+    if not venv_python(v.python).exists():
+        out.append(Violation("env.agentic.verifiers.python", v.python, f"{venv_python(v.python)} does not exist",
+                             "run `make verifiers-env` (verifiers 0.4.0 in .venv-verifiers), or point it at a "
+                             "virtualenv's python that has verifiers==0.4.0 and the taskset installed"))
+
+
 def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
     a = cfg.env.agentic
+    check_verifiers(out, cfg)
     if a.environment is None:
         return
     from hpc_rl.agentic.contract import environment_factory, known_environments

@@ -27,6 +27,18 @@ STAT_KEYS = ("episodes", "turns", "errors", "truncated", "siblings", "tool_parse
 TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride (mod 2^31 - 1)
 
 
+def environment_kwargs(cfg) -> Dict[str, Any]:
+    """What a configured environment is built with: a verifiers environment gets its section
+    (env.agentic.verifiers) and the policy's tokenizer, which verifiers renders prompts with."""
+    a = cfg.env.agentic
+    if a.environment != "verifiers":
+        return {}
+    v = a.verifiers
+    return {"taskset": v.taskset, "taskset_args": dict(v.taskset_args), "harness": v.harness, "runtime": v.runtime,
+            "python": v.python, "renderer_model": cfg.model.path, "model_name": cfg.model.name,
+            "start_timeout_s": a.episode_timeout_s}
+
+
 def task_of(record) -> dict:
     """What an episode sees of a prompt record: the dataset row's fields."""
     return {"prompt": record.prompt, "answer": record.answer, "agent": record.agent, "task": record.task, "id": record.id}
@@ -42,7 +54,7 @@ class EpisodeRunner:
 
         self.ctx, a = ctx, ctx.cfg.env.agentic
         self.agentic = a
-        self.episode = build_environment(a.environment)
+        self.episode = build_environment(a.environment, **environment_kwargs(ctx.cfg))
         self.errors = ErrorLog(ctx.log, a.environment)
         self.limits = Limits(max_turns=a.max_turns, max_tokens=a.max_tokens, turn_timeout_s=a.turn_timeout_s,
                              episode_timeout_s=a.episode_timeout_s, truncated_reward=a.truncated_reward)

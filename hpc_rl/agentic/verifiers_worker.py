@@ -1,0 +1,142 @@
+"""The verifiers side of the bridge: runs in the verifiers virtualenv (.venv-verifiers, made
+by `make verifiers-env`), started by an env rank (verifiers_bridge.py) as
+`.venv-verifiers/bin/python hpc_rl/agentic/verifiers_worker.py`.
+
+It imports nothing of hpc_rl (that package needs torch and vLLM, and vLLM's openai 3 is what
+verifiers 0.4.0 refuses): the standard library and verifiers' public API only.
+
+Protocol: JSON lines. The parent writes requests to this process's stdin; answers go to the
+stdout the process started with, which is kept for the protocol alone (anything verifiers or
+a harness prints goes to stderr, the rank's log). Requests:
+
+  {"op": "init", "env": {...verifiers EnvConfig...}, "model": name, "renderer_model": path,
+   "base_url": "http://127.0.0.1:PORT", "key": proxy key}
+      -> {"op": "ready", "tasks": n, "env": class, "taskset": class, "verifiers": version}
+  {"op": "cancel", "id": k}: stop run k (no answer)
+  {"op": "run", "id": k, "index": i, "episode": token}
+      -> {"id": k, "ok": bool, "reward": float, "rewards": {...}, "max_reward": float,
+          "turns": int, "errors": [{"type", "message"}], "is_timeout": bool}
+
+Each run is one `Env.run_episode` of the taskset's task `index`; its model calls go through
+verifiers' train client (renderer -> `/inference/v1/generate`) to the env rank's loopback
+proxy at `base_url`, tagged with the episode's token (a sampling field verifiers passes
+through), which is how the proxy knows whose turn it is. EOF on stdin ends the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import sys
+import traceback
+
+KEY_VAR = "HPC_RL_VERIFIERS_PROXY_API_KEY"  # "API_KEY" in the name: verifiers' subprocess runtime strips it from children
+EPISODE_FIELD = "hpc_rl_episode"  # the sampling field that names the episode to the proxy
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the env rank that started it dies (Linux prctl)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before the prctl
+        os._exit(1)
+
+
+class Worker:
+    def __init__(self, out):
+        self.out = out
+        self.env = self.tasks = self.ctx = None
+        self.running = {}  # request id -> its asyncio task
+
+    def send(self, msg: dict) -> None:
+        self.out.write(json.dumps(msg) + "\n")
+        self.out.flush()
+
+    def init(self, req: dict) -> dict:
+        import verifiers
+        import verifiers.v1 as vf
+        from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+        os.environ[KEY_VAR] = req["key"]  # read by verifiers' client; never in argv, a file or a log
+        config = resolve_env_config(req["env"])
+        self.env = load_environment(config)
+        self.tasks = list(self.env.taskset)
+        client = vf.TrainClientConfig(base_url=req["base_url"], api_key_var=KEY_VAR,
+                                      renderer_model_name=req["renderer_model"])
+        self.model, self.client = req["model"], client
+        return {"op": "ready", "tasks": len(self.tasks), "env": type(self.env).__name__,
+                "taskset": type(self.env.taskset).__name__, "verifiers": verifiers.__version__}
+
+    async def run(self, req: dict) -> dict:
+        import verifiers.v1 as vf
+
+        task = self.tasks[int(req["index"])]
+        ctx = vf.ModelContext(model=self.model, client=self.client,
+                              sampling=vf.Sampling(**{EPISODE_FIELD: req["episode"]}))
+        episode = await self.env.run_episode(task, ctx)
+        traces = list(episode.traces)
+        rewards = {}
+        max_reward = 0.0
+        for t in traces:
+            for name, r in t.rewards.items():
+                rewards[name] = None if r is None else r.score
+                max_reward += 0.0 if r is None else r.weight
+        errors = [{"type": e.type, "message": e.message[:2000]} for e in episode.errors]
+        for t in traces:
+            errors += [{"type": e.type, "message": e.message[:2000]} for e in t.errors if not t.ok]
+        return {"id": req["id"], "ok": bool(episode.ok), "reward": float(sum(t.reward for t in traces)), "rewards": rewards,
+                "max_reward": max_reward, "turns": sum(t.num_turns for t in traces), "errors": errors,
+                "is_timeout": bool(getattr(episode, "is_timeout", False))}
+
+    async def handle(self, req: dict) -> None:
+        try:
+            out = await self.run(req)
+        except Exception as exc:  # reported to the episode that asked; the worker goes on
+            out = {"id": req.get("id"), "ok": False, "reward": 0.0, "rewards": {}, "max_reward": 0.0, "turns": 0,
+                   "errors": [{"type": type(exc).__name__, "message": str(exc)[:2000],
+                               "traceback": traceback.format_exc()[-2000:]}], "is_timeout": False}
+        self.send(out)
+
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 26)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        first = json.loads(await reader.readline())
+        try:
+            ready = self.init(first)
+        except Exception as exc:
+            self.send({"op": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]})
+            return
+        async with self.env.serving():  # verifiers' interception server (loopback) and shared tools
+            self.send(ready)
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                req = json.loads(line)
+                if req.get("op") == "cancel":  # the episode's deadline passed on the rank's side
+                    task = self.running.get(req.get("id"))
+                    if task is not None:
+                        task.cancel()
+                    continue
+                task = self.running[req["id"]] = asyncio.create_task(self.handle(req))
+                task.add_done_callback(lambda _t, k=req["id"]: self.running.pop(k, None))
+            for task in list(self.running.values()):
+                task.cancel()
+
+
+def main() -> None:
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "w")  # the protocol's channel
+    os.dup2(2, 1)  # print() of verifiers, a harness or a task lands in the log, not in the protocol
+    sys.stdout = sys.stderr
+    asyncio.run(Worker(out).main())
+
+
+if __name__ == "__main__":
+    main()
