@@ -347,6 +347,39 @@ class VerifiersEpisode:
             self.worker.close()
 
 
+PREFLIGHT = """
+import json, sys
+from verifiers.v1.utils.loaders import environment_class, resolve_env_config
+cfg = resolve_env_config(json.loads(sys.stdin.read()))
+print(json.dumps({"env": environment_class(cfg.taskset.id, cfg.id).__name__}))
+"""
+
+
+def preflight(v) -> list:
+    """Before a launch (launchers/runnable.py): the virtualenv's verifiers resolves and
+    validates the environment's config (the taskset importable, its args, the harness id,
+    the runtime type) without loading its tasks. `v`: env.agentic.verifiers. Returns
+    (key, value, why, fix) for each problem."""
+    python = venv_python(v.python)
+    if not python.exists():
+        return []  # config/validate_agentic.py names the missing virtualenv
+    env = episode_of(v).env_config()
+    proc = subprocess.run([str(python), "-c", PREFLIGHT], input=json.dumps(env), capture_output=True, text=True,
+                          timeout=300, env={k: val for k, val in os.environ.items() if k not in ("HPC_RL_JOB_KEY", "PYTHONPATH")})
+    if proc.returncode == 0:
+        return []
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+    last = " | ".join(lines[-3:]) or f"rc {proc.returncode}"
+    return [("env.agentic.verifiers", env, f"verifiers could not resolve this environment: {last[:600]}",
+             "fix env.agentic.verifiers.taskset / taskset_args / harness / runtime, or install the taskset's package "
+             f"into {python.parent.parent}")]
+
+
+def episode_of(v) -> VerifiersEpisode:
+    """The episode a config section describes (nothing started)."""
+    return VerifiersEpisode(v.taskset, "", dict(v.taskset_args), v.harness, v.runtime, v.python)
+
+
 def build(**cfg) -> VerifiersEpisode:
     """The registry's factory (`env.agentic.environment: verifiers`)."""
     return VerifiersEpisode(**cfg)

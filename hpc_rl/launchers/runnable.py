@@ -39,6 +39,10 @@ def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
             cfg, dataset = check_inputs(cfg)
         except ConfigError as err:
             found += err.violations
+        if cfg.env.agentic.environment == "verifiers" and not found:
+            from hpc_rl.agentic.verifiers_bridge import preflight
+
+            found += [Violation(*v) for v in preflight(cfg.env.agentic.verifiers)]
     if found:
         raise ConfigError(found)
     return cfg, dataset
