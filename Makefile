@@ -45,7 +45,7 @@ demo: setup
 
 # Lint (pyflakes rules and the line length, pyproject.toml), the documentation site (strict),
 # then all tests with the local Slurm cluster up (tests marked `slurm` need it).
-test: setup lint docs cluster-up
+test: setup verifiers-env lint docs cluster-up
 	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
 
 lint: setup

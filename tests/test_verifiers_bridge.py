@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -28,7 +29,10 @@ JOB_KEY = "f" * 64  # the job's secret as a rank holds it (HPC_RL_JOB_KEY): it m
 def bridge():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hpc_rl.agentic.contract import build_environment
     from hpc_rl.agentic.verifiers_bridge import VerifiersEpisode, venv_python
+    from hpc_rl.config import load_config
+    from hpc_rl.roles.episode_runner import environment_kwargs
     from hpc_rl.rl.inputs import resolve_model_ref
 
     if not venv_python().exists():
@@ -38,7 +42,12 @@ def bridge():
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     old = os.environ.get("HPC_RL_JOB_KEY")
     os.environ["HPC_RL_JOB_KEY"] = JOB_KEY
-    episode = VerifiersEpisode("tiny-arith", path, taskset_args={"num_tasks": "64", "operation": "plus", "high": "9"})
+    # built as an env rank builds it, from the recipe's env.agentic.verifiers section (these
+    # reads are the evidence tests/test_config_keys.py needs that the section is honoured)
+    cfg = load_config(["+recipe=tiny_verifiers_grpo", f"model.path={path}",
+                       "env.agentic.verifiers.taskset_args={num_tasks: '64', operation: plus, high: '9'}"])
+    episode = build_environment(cfg.env.agentic.environment, **environment_kwargs(cfg))
+    assert isinstance(episode, VerifiersEpisode) and episode.taskset == "tiny-arith"
     try:
         episode.start()
         yield episode, tok, model
@@ -89,7 +98,11 @@ def test_trajectories_are_the_tokens_the_policy_sampled_and_rewards_are_the_rubr
         # the prompt verifiers rendered is the row's prompt; the response is the engine's ids verbatim
         assert row.prompt_ids == prompt and row.response_ids == list(ids) and row.loss_mask == [1] * len(ids)
         assert row.logprobs == pytest.approx(list(lps), abs=0)
-        assert tok.decode(prompt).startswith("<s><|user|>What is ") and tok.decode(prompt).endswith("?<|end|><|assistant|>")
+        # ... and exactly what the model's own chat template renders for tiny-arith's question
+        question = re.fullmatch(r".*<\|user\|>(What is \d+ plus \d+\?)<\|end\|><\|assistant\|>", tok.decode(prompt))
+        assert question, tok.decode(prompt)
+        assert prompt == list(tok.apply_chat_template([{"role": "user", "content": question.group(1)}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
         # tiny-arith's rubric: correct (1.0) + one integer (0.1), computed by verifiers from the same tokens
         reply = tok.decode(ids, skip_special_tokens=True).strip()
         rewards = result.info["verifiers_rewards"]
