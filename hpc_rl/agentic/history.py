@@ -95,16 +95,9 @@ class TokenHistory:
         delta, or a sibling's fresh prompt when the history was rewritten."""
         text = self.render(messages, tools, add_generation_prompt=True)
         if self.samples and text.startswith(self._held):
-            delta = self._encode(text[len(self._held):])
-            s = self.current
-            s.response_ids += delta
-            s.logprobs += [0.0] * len(delta)
-            s.loss_mask += [0] * len(delta)
-            s.token_versions += [ENV_VERSION] * len(delta)
+            self._extend_or_branch(self._encode(text[len(self._held):]), None)
         else:
-            if self.samples:
-                self.siblings += 1
-            self.samples.append(_Sample(prompt_ids=self._encode(text)))
+            self._extend_or_branch(None, self._encode(text))
         self._held = text
         return self.current.full_ids()
 
@@ -116,18 +109,25 @@ class TokenHistory:
         ids = [int(i) for i in ids]
         held = self.current.full_ids() if self.samples else None
         if held is not None and ids[:len(held)] == held:
-            delta = ids[len(held):]
+            self._extend_or_branch(ids[len(held):], None)
+        else:
+            self._extend_or_branch(None, ids)
+        self._held = self.tok.decode(ids, skip_special_tokens=False)
+        return self.current.full_ids()
+
+    def _extend_or_branch(self, delta: Optional[List[int]], fresh_prompt: Optional[List[int]]) -> None:
+        """`delta`: the environment's tokens appended to the current sample (mask 0, no
+        log-prob, the environment's version); else a sibling sample starts at `fresh_prompt`."""
+        if delta is not None:
             s = self.current
             s.response_ids += delta
             s.logprobs += [0.0] * len(delta)
             s.loss_mask += [0] * len(delta)
             s.token_versions += [ENV_VERSION] * len(delta)
-        else:
-            if self.samples:
-                self.siblings += 1
-            self.samples.append(_Sample(prompt_ids=ids))
-        self._held = self.tok.decode(ids, skip_special_tokens=False)
-        return self.current.full_ids()
+            return
+        if self.samples:
+            self.siblings += 1
+        self.samples.append(_Sample(prompt_ids=fresh_prompt))
 
     def add_policy(self, ids: Sequence[int], logprobs: Sequence[float], version_first: int, version_last: int,
                    finish_reason: str = "stop", versions: Optional[Sequence[int]] = None) -> str:
