@@ -66,6 +66,29 @@ def test_delta_is_the_template_delta_and_policy_ids_stay_verbatim(tok):
     assert changed_policy_tokens(h.rows(), h.row_turns()) == 0
 
 
+def test_token_in_prompts_extend_the_sample_or_start_a_sibling(tok):
+    # prompt_ids: a library renders its own prompts (verifiers); ids are taken as given
+    h = TokenHistory(tok)
+    first = ids_of(tok, "<|user|>What is 2 plus 3?<|end|><|assistant|>")
+    assert h.prompt_ids(first) == first
+    said = ids_of(tok, "5") + [tok.eos_token_id]
+    h.add_policy(said, [-0.25] * len(said), 1, 1)
+    more = ids_of(tok, "<|user|>Sure?<|end|><|assistant|>")
+    assert h.prompt_ids(first + said + more) == first + said + more  # the held ids are a prefix: extend
+    again = ids_of(tok, "6")
+    h.add_policy(again, [-0.5], 2, 2)
+    (row,) = h.rows()
+    assert row.prompt_ids == first and row.response_ids == said + more + again
+    assert row.loss_mask == [1] * len(said) + [0] * len(more) + [1]
+    assert row.logprobs == [-0.25] * len(said) + [0.0] * len(more) + [-0.5]
+    assert row.token_versions == [1] * len(said) + [-1] * len(more) + [2]
+    # a prompt that does not start with the held ids (the library compacted it): a sibling
+    other = ids_of(tok, "<|user|>Again?<|end|><|assistant|>")
+    assert h.prompt_ids(other) == other and h.siblings == 1
+    h.add_policy(again, [-0.5], 3, 3)
+    assert [r.prompt_ids for r in h.rows()] == [first, other]
+
+
 def test_changed_policy_tokens_counts_what_moved(tok):
     h = TokenHistory(tok)
     h.prompt([{"role": "user", "content": "hi"}])
