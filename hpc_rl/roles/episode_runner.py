@@ -29,8 +29,14 @@ TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride
 
 def environment_kwargs(cfg) -> Dict[str, Any]:
     """What a configured environment is built with: a verifiers environment gets its section
-    (env.agentic.verifiers) and the policy's tokenizer, which verifiers renders prompts with."""
+    (env.agentic.verifiers) and the policy's tokenizer, which verifiers renders prompts with;
+    a NeMo Gym environment its section (env.agentic.gym)."""
     a = cfg.env.agentic
+    if a.environment == "gym":
+        g = a.gym
+        return {"resources_server": g.resources_server, "dataset": g.dataset, "agent": g.agent, "python": g.python,
+                "search_dirs": list(g.search_dirs), "args": list(g.args), "model_name": cfg.model.name,
+                "start_timeout_s": a.episode_timeout_s}
     if a.environment != "verifiers":
         return {}
     v = a.verifiers

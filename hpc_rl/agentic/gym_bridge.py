@@ -1,0 +1,411 @@
+"""NeMo Gym environments, unchanged, as hpc_rl episodes (issue 27): the env rank's side.
+
+nemo-gym 0.7.0 needs Python >= 3.13.14, which the env ranks' own Python is not, so Gym runs
+under an interpreter of its own (env.agentic.gym.python; tests/gym_python.sh makes one). The
+env rank starts the named Gym environment's servers with it (`gym env start`: Gym's head
+server, the resources server, its agent and Gym's `vllm_model` model server), once, and then
+plays each episode as one POST to the agent's `/run`:
+
+    runner ── GymEpisode.run(task, chat) ── POST agent /run (a dataset row, metadata.hpc_rl_episode)
+                                              │ Gym's agent -> Gym's vllm_model (Responses -> chat)
+    proxy (127.0.0.1, its own key) <── POST /v1/chat/completions (messages, return_tokens_as_token_ids)
+      └─> chat(messages, tools): RecordingChat renders them token-exactly (TokenHistory) and
+          calls the run's policy: the generator's /v1/tokens with the job's key and the item's seed
+
+The proxy answers in the shape Gym's vllm_model reads (top-level prompt_token_ids,
+choice.token_ids, logprobs.content[].token "token_id:N"), so Gym's agent carries the engine's
+own ids and log-probs in its output items (prompt_token_ids, generation_token_ids,
+generation_log_probs) exactly as our trajectory holds them. The reward is Gym's /verify.
+
+Security (docs/security.md): the proxy listens on the rank's loopback and every request must
+carry a key made for this process, not the job's; Gym gets it in a 0600 config file in a
+0700 directory, never on a command line, and gets no HPC_RL_JOB_KEY. Gym's own servers (its
+head server, the agent, the resources and model servers) and the Ray cluster Gym starts
+listen on ports without our key: on 127.0.0.1 (Gym's default host), Ray's GCS on the node's
+address under Ray's own token. That is a known gap: another user's process on the same node
+can reach Gym's servers (not the generator: the proxy and the endpoint need keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .contract import EpisodeResult, Truncated
+
+log = logging.getLogger("hpc_rl.agentic.gym")
+REPO = Path(__file__).resolve().parents[2]
+EPISODE_FIELD = "hpc_rl_episode"  # in responses_create_params.metadata: which live episode a model call is
+REJECT_LABEL = "gym_proxy"  # the auth counters' kind for requests without the proxy's key
+# what Gym's vllm_model sends besides the chat: its token-id capture (logprobs, top_logprobs=0,
+# return_tokens_as_token_ids), the rows' metadata, tools. Sampling is the run's; a field that
+# asks for its own (temperature, max_tokens, ...) is refused with a 400 naming it.
+ALLOWED = {"model", "messages", "metadata", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
+           "return_tokens_as_token_ids", "return_token_ids", "n", "stream"}
+READY_LINE = "servers ready!"  # `gym env start` prints "All N / N servers ready! ..." once every server answers
+SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
+
+# Run by the Gym interpreter: every Gym server runs from that interpreter's own environment
+# (one install, no per-server uv venvs: `+skip_venv_if_present` finds a .venv link per
+# server under `+uv_venv_dir`), then Gym's CLI. Also the preflight (argv[1] == "check").
+LAUNCH = r"""
+import json, os, sys
+from pathlib import Path
+import nemo_gym
+spec = json.loads(sys.argv[1]) if sys.argv[1] != "check" else json.loads(sys.argv[2])
+roots = [Path(d) for d in spec["search_dirs"]] + [Path(nemo_gym.PARENT_DIR)]
+found = {k: sorted({s.name for r in roots if (r / k).is_dir() for s in (r / k).iterdir() if s.is_dir()})
+         for k in %(kinds)r}
+if sys.argv[1] == "check":
+    rs = spec["resources_server"]
+    cfg = [r / "resources_servers" / rs / "configs" / (rs + ".yaml") for r in roots]
+    print(json.dumps({"prefix": sys.prefix, "gym": nemo_gym.__version__ if hasattr(nemo_gym, "__version__") else "",
+                      "resources_servers": found["resources_servers"], "config": [str(c) for c in cfg if c.exists()]}))
+    sys.exit(0)
+venvs = Path(spec["venvs"])
+for kind, names in found.items():
+    for name in names:
+        link = venvs / kind / name / ".venv"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(sys.prefix)
+from nemo_gym.cli.main import main
+sys.argv = ["gym", *spec["argv"]]
+main()
+""" % {"kinds": SERVER_KINDS}
+
+
+def interpreter(python: str) -> List[str]:
+    """The configured interpreter as argv (a command may carry arguments; relative to the repo)."""
+    parts = python.split()
+    p = Path(parts[0])
+    return [str(p if p.is_absolute() else REPO / p), *parts[1:]]
+
+
+def search_dirs(dirs) -> List[str]:
+    return [str(Path(d) if Path(d).is_absolute() else REPO / d) for d in dirs]
+
+
+def gym_env() -> Dict[str, str]:
+    """The environment Gym's processes get: the rank's, without the job's key or our Python."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HPC_RL_JOB_KEY", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+class GymError(RuntimeError):
+    """A Gym episode that ended in an error on Gym's side (its agent's /run failed)."""
+
+
+@dataclass
+class _Live:
+    chat: Any
+    loop: asyncio.AbstractEventLoop
+    failure: Optional[BaseException] = None  # what ended it on our side (a limit, a failed policy call)
+
+
+def _message(m: dict) -> dict:
+    """A chat message as RecordingChat compares and renders it: text content, and an
+    assistant message reduced to what our chat returned (role, content, tool_calls), so the
+    turn it generated is recognised and rendered as the ids it holds."""
+    m = dict(m)
+    if isinstance(m.get("content"), list):
+        m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+    if m.get("role") == "assistant":
+        return {"role": "assistant", "content": m.get("content") or "", "tool_calls": list(m.get("tool_calls") or [])}
+    return {k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "name")}
+
+
+class Proxy:
+    """The loopback OpenAI chat-completions server Gym's vllm_model calls, in a daemon thread
+    with its own event loop (the runner's loop is new each round)."""
+
+    def __init__(self, model_name: str, host: str = "127.0.0.1"):
+        self.model_name, self.host = model_name, host
+        self.key = secrets.token_hex(32)
+        self.live: Dict[str, _Live] = {}
+        self.rejected = self.served = self.refused = 0
+        self._ready = threading.Event()
+        self._box: Dict[str, Any] = {}
+        threading.Thread(target=self._serve, name="hpc_rl-gym-proxy", daemon=True).start()
+        if not self._ready.wait(30) or "error" in self._box:
+            raise RuntimeError(f"the Gym proxy did not start: {self._box.get('error')!r}")
+        self.port = self._box["port"]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def _serve(self) -> None:
+        from aiohttp import web
+
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        expected = f"Bearer {self.key}".encode()
+
+        @web.middleware
+        async def authorize(request, handler):
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                self.rejected += 1
+                from hpc_rl.runtime.signed_store import reject
+
+                reject(REJECT_LABEL)
+                return web.json_response({"error": {"message": "a valid API key is required", "code": 401}}, status=401)
+            return await handler(request)
+
+        try:
+            app = web.Application(middlewares=[authorize], client_max_size=64 << 20)
+            app.add_routes([web.post("/v1/chat/completions", self._chat), web.get("/v1/models", self._models)])
+            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            loop.run_until_complete(runner.setup())
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((self.host, 0))
+            loop.run_until_complete(web.SockSite(runner, sock, backlog=1024).start())
+            self._box["port"] = sock.getsockname()[1]
+        except BaseException as exc:
+            self._box["error"] = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        loop.run_forever()
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+
+    def _refuse(self, status: int, message: str):
+        from aiohttp import web
+
+        self.refused += 1
+        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+    async def _chat(self, request):
+        from aiohttp import web
+
+        try:
+            body = json.loads(await request.read())
+            token = (body.get("metadata") or {}).get(EPISODE_FIELD)
+        except (ValueError, AttributeError, TypeError):
+            return self._refuse(400, "the body must be a JSON chat-completions request")
+        live = self.live.get(str(token))
+        if live is None:
+            return self._refuse(404, f"no live episode for metadata.{EPISODE_FIELD}={token!r}")
+        extra = sorted(k for k in set(body) - ALLOWED if body[k] is not None)
+        if extra or body.get("n") not in (None, 1) or body.get("stream") or body.get("top_logprobs"):
+            return self._refuse(400, f"not honoured here: {extra or 'n/stream/top_logprobs'}; the run samples with "
+                                     "generator.sampling, the item's seeds and env.agentic's limits, n=1, no streaming")
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            return self._refuse(400, 'tool_choice "required" and named tools are not supported; use "auto"')
+        messages = [_message(m) for m in body.get("messages") or []]
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        chat = live.chat
+        fut = asyncio.run_coroutine_threadsafe(chat(messages, tools or None), live.loop)
+        try:
+            msg = await asyncio.wrap_future(fut)
+        except (Exception, asyncio.CancelledError) as exc:  # a limit, or the policy call failed: the episode's end
+            fut.cancel()
+            live.failure = live.failure or (exc if isinstance(exc, Exception) else Truncated("turn_timeout"))
+            return self._refuse(400 if isinstance(exc, Truncated) else 502, f"{type(exc).__name__}: {exc}")
+        # the call's ids, from the record itself: what the policy saw and generated
+        h = chat.history
+        turn = h.policy_turns[-1]
+        sample = h.samples[turn.sample]
+        gen = list(turn.ids)
+        lps = sample.logprobs[turn.offset:turn.offset + len(gen)]
+        prompt = sample.prompt_ids + sample.response_ids[:turn.offset]
+        self.served += 1
+        out = {"role": "assistant", "content": msg["content"]}
+        if msg.get("tool_calls"):
+            out["tool_calls"] = msg["tool_calls"]
+        content = [{"token": f"token_id:{t}", "logprob": float(lp), "bytes": [], "top_logprobs": []} for t, lp in zip(gen, lps)]
+        choice = {"index": 0, "message": out, "logprobs": {"content": content}, "token_ids": gen,
+                  "finish_reason": "tool_calls" if msg.get("tool_calls") else turn.finish_reason}
+        return web.json_response({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                                  "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                                  "prompt_token_ids": prompt, "usage": {"prompt_tokens": len(prompt),
+                                  "completion_tokens": len(gen), "total_tokens": len(prompt) + len(gen)}})
+
+
+class GymServers:
+    """`gym env start` for one environment, under the Gym interpreter, pointed at the proxy."""
+
+    def __init__(self, python: str, resources_server: str, agent: Optional[str], dirs: List[str], args: List[str],
+                 proxy: Proxy, start_timeout_s: float = 600.0):
+        self.dir = tempfile.mkdtemp(prefix="hpc_rl_gym_", dir="/tmp")  # 0700; the sandbox shares /tmp
+        cfg = Path(self.dir) / "hpc_rl.yaml"
+        fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:  # JSON is YAML: Gym's --config reads it
+            json.dump({"policy_base_url": proxy.url, "policy_api_key": proxy.key, "policy_model_name": proxy.model_name,
+                       "policy_model": {"responses_api_models": {"vllm_model": {"return_token_id_information": True}}}}, f)
+        with socket.socket() as s:  # Gym's head server takes a fixed port (11000): one free now
+            s.bind(("127.0.0.1", 0))
+            head = s.getsockname()[1]
+        self.head = f"http://127.0.0.1:{head}"
+        argv = ["env", "start", "--resources-server", resources_server, "--model-type", "vllm_model", "--config", str(cfg),
+                *[x for d in dirs for x in ("--search-dir", d)], "+skip_venv_if_present=true",
+                f"+uv_venv_dir={self.dir}/venvs", "+model_endpoint_readiness_timeout_seconds=0",
+                f"+head_server.port={head}", *args]
+        spec = json.dumps({"search_dirs": dirs, "venvs": f"{self.dir}/venvs", "argv": argv})
+        self.tail: List[str] = []
+        ready, started = threading.Event(), threading.Event()
+        self._box: Dict[str, Any] = {}
+        threading.Thread(target=self._run, args=([*interpreter(python), "-c", LAUNCH, spec], ready, started), daemon=True,
+                         name="hpc_rl-gym").start()
+        started.wait(60)
+        if "error" in self._box:
+            raise RuntimeError(f"the Gym interpreter did not start: {self._box['error']}")
+        ready.wait(start_timeout_s)
+        if not self._box.get("ready"):
+            self.close()
+            raise RuntimeError(f"NeMo Gym did not start {resources_server} within {start_timeout_s} s:\n"
+                               + "\n".join(self.tail[-30:]))
+        self.agent_url = self._agent(agent)
+
+    def _run(self, argv, ready, started) -> None:
+        """Start Gym, then read its output. In a thread that lives as long as Gym: the
+        parent-death signal follows the thread that started the process. Gym's servers run in
+        the rank's process group (the rank's supervisor kills them with its leftovers) and, with
+        tests/gym_python.sh's wrapper, in a pid namespace that dies with it (bwrap --die-with-parent)."""
+        def dies_with_parent():
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         env=gym_env(), cwd=self.dir, text=True, bufsize=1, preexec_fn=dies_with_parent)
+        except OSError as exc:
+            self._box["error"] = exc
+            started.set()
+            return
+        started.set()
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line.rstrip()])[-200:]
+            if READY_LINE in line and not ready.is_set():
+                self._box["ready"] = True
+                ready.set()
+        self.tail.append(f"(gym exited, rc {self.proc.wait()})")
+        ready.set()
+
+    def _agent(self, agent: Optional[str]) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.head}/server_instances", timeout=30) as r:
+            servers = json.loads(r.read())
+        agents = [s for s in servers if s.get("server_type") == "responses_api_agents"]
+        chosen = [s for s in agents if agent in (None, s.get("process_name"))]
+        if len(chosen) != 1:
+            self.close()
+            raise RuntimeError(f"env.agentic.gym.agent={agent!r}: Gym runs agents {[s.get('process_name') for s in agents]}; "
+                               "name one of them")
+        return chosen[0]["url"]
+
+    def close(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # Gym's own shutdown (its servers, its Ray cluster)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class GymEpisode:
+    """A NeMo Gym environment as an Episode. `resources_server`: its name (a Gym built-in, or
+    one under `search_dirs`); `dataset`: the JSONL of Gym rows the episodes play (relative
+    to the repo); `agent`: the agent server to call (None: the environment's only one);
+    `python`: the Gym interpreter; `args`: extra `gym env start` overrides."""
+
+    resources_server: str
+    dataset: str
+    agent: Optional[str] = None
+    python: str = ".gym-python/bin/gym-python"
+    search_dirs: List[str] = field(default_factory=list)
+    args: List[str] = field(default_factory=list)
+    model_name: str = "hpc_rl"
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        self.proxy: Optional[Proxy] = None
+        self.servers: Optional[GymServers] = None
+        path = Path(self.dataset) if Path(self.dataset).is_absolute() else REPO / self.dataset
+        self.rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not self.rows:
+            raise ValueError(f"env.agentic.gym.dataset={self.dataset!r}: no rows")
+
+    def start(self) -> str:
+        with self._lock:
+            if self.servers is None:
+                self.proxy = self.proxy or Proxy(self.model_name)
+                t0 = time.perf_counter()
+                self.servers = GymServers(self.python, self.resources_server, self.agent, search_dirs(self.search_dirs),
+                                          list(self.args), self.proxy, self.start_timeout_s)
+                log.info("NeMo Gym %s up in %.1f s; agent at %s", self.resources_server, time.perf_counter() - t0,
+                         self.servers.agent_url)
+            return self.servers.agent_url
+
+    def task_index(self, task: dict) -> int:
+        """The row an item plays: a stable function of its id (a GRPO group plays one row)."""
+        key = str(task.get("id") if task.get("id") is not None else task.get("prompt"))
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % len(self.rows)
+
+    async def run(self, task: dict, chat) -> EpisodeResult:
+        import aiohttp
+
+        url = self.servers.agent_url if self.servers else await asyncio.to_thread(self.start)
+        token = secrets.token_hex(16)
+        row = json.loads(json.dumps(self.rows[self.task_index(task)]))
+        rcp = row["responses_create_params"]
+        rcp["metadata"] = {**(rcp.get("metadata") or {}), EPISODE_FIELD: token}
+        live = _Live(chat, asyncio.get_running_loop())
+        self.proxy.live[token] = live
+        try:
+            async with aiohttp.ClientSession() as s, s.post(f"{url}/run", json=row) as r:
+                text = await r.text()
+        finally:
+            self.proxy.live.pop(token, None)
+        if live.failure is not None:  # our side ended it: a limit (truncated) or the policy call's error
+            raise live.failure
+        if r.status != 200:
+            raise GymError(f"Gym's agent /run answered {r.status}: {text[-800:]}")
+        out = json.loads(text)
+        reward = float(out["reward"])
+        resolved = out.get("resolved")
+        items = (out.get("response") or {}).get("output") or []
+        # what Gym's agent carried of each model call (its output items' token fields, as NeMo
+        # RL reads them): the engine's ids and log-probs as the proxy answered them
+        calls = [{k: item[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+                 for item in items if isinstance(item, dict) and item.get("generation_token_ids") is not None]
+        return EpisodeResult(reward, resolved if isinstance(resolved, bool) else reward >= 1.0,
+                             info={"gym_output_items": len(items), "gym_token_calls": calls})
+
+    def close(self) -> None:
+        if self.servers is not None:
+            self.servers.close()
+
+
+def build(**cfg) -> GymEpisode:
+    """The registry's factory (`env.agentic.environment: gym`)."""
+    return GymEpisode(**cfg)
