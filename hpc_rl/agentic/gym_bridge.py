@@ -253,8 +253,7 @@ class GymServers:
         cfg = Path(self.dir) / "hpc_rl.yaml"
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:  # JSON is YAML: Gym's --config reads it
-            json.dump({"policy_base_url": proxy.url, "policy_api_key": proxy.key, "policy_model_name": proxy.model_name,
-                       "policy_model": {"responses_api_models": {"vllm_model": {"return_token_id_information": True}}}}, f)
+            json.dump({"policy_base_url": proxy.url, "policy_api_key": proxy.key, "policy_model_name": proxy.model_name}, f)
         with socket.socket() as s:  # Gym's head server takes a fixed port (11000): one free now
             s.bind(("127.0.0.1", 0))
             head = s.getsockname()[1]
@@ -262,7 +261,11 @@ class GymServers:
         argv = ["env", "start", "--resources-server", resources_server, "--model-type", "vllm_model", "--config", str(cfg),
                 *[x for d in dirs for x in ("--search-dir", d)], "+skip_venv_if_present=true",
                 f"+uv_venv_dir={self.dir}/venvs", "+model_endpoint_readiness_timeout_seconds=0",
-                f"+head_server.port={head}", *args]
+                f"+head_server.port={head}",
+                # Gym's training mode: the model server asks for token ids and log-probs and its agent
+                # passes them on in its output items (a command-line override: vllm_model.yaml, read
+                # after our config file, sets it false)
+                "++policy_model.responses_api_models.vllm_model.return_token_id_information=true", *args]
         spec = json.dumps({"search_dirs": dirs, "venvs": f"{self.dir}/venvs", "argv": argv})
         self.tail: List[str] = []
         ready, started = threading.Event(), threading.Event()
