@@ -25,21 +25,27 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB_KEY = "f" * 64  # the job's secret as a rank holds it (HPC_RL_JOB_KEY): it must not reach Gym
 
 
+def _ensure_interpreter(cfg) -> None:
+    from hpc_rl.agentic.gym_servers import interpreter
+
+    if not Path(interpreter(cfg.env.agentic.gym.python)[0]).exists():
+        proc = subprocess.run([str(ROOT / "tests" / "gym_python.sh")], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, f"tests/gym_python.sh failed:\n{proc.stderr[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def bridge():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_rl.agentic.contract import build_environment
-    from hpc_rl.agentic.gym_bridge import GymEpisode, interpreter
+    from hpc_rl.agentic.gym_bridge import GymEpisode
     from hpc_rl.config import load_config
     from hpc_rl.roles.episode_runner import environment_kwargs
     from hpc_rl.rl.inputs import resolve_model_ref
 
     path = resolve_model_ref("tiny:student")
     cfg = load_config(["+recipe=tiny_gym_grpo", f"model.path={path}"])
-    if not Path(interpreter(cfg.env.agentic.gym.python)[0]).exists():
-        proc = subprocess.run([str(ROOT / "tests" / "gym_python.sh")], cwd=ROOT, capture_output=True, text=True)
-        assert proc.returncode == 0, f"tests/gym_python.sh failed:\n{proc.stderr[-3000:]}"
+    _ensure_interpreter(cfg)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     old = os.environ.get("HPC_RL_JOB_KEY")
     os.environ["HPC_RL_JOB_KEY"] = JOB_KEY
@@ -169,3 +175,25 @@ def test_the_proxy_needs_its_key_and_gym_never_holds_the_jobs_key(bridge):
     assert proxy.key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
     cfg_dir = Path(episode.servers.dir)
     assert cfg_dir.stat().st_mode & 0o777 == 0o700 and (cfg_dir / "hpc_rl.yaml").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_launch_preflight_names_the_key_of_an_environment_gym_cannot_resolve():
+    """Before anything is submitted (launchers/runnable.py, config/validate_agentic.py): the
+    interpreter, the resources server and the dataset, each refused naming its key."""
+    from hpc_rl.agentic.gym_bridge import preflight
+    from hpc_rl.config import load_config
+    from hpc_rl.config.errors import Violation
+    from hpc_rl.config.validate_agentic import check_gym
+
+    cfg = load_config(["+recipe=tiny_gym_grpo"])
+    _ensure_interpreter(cfg)
+    g = cfg.env.agentic.gym
+    assert preflight(g) == []
+    g.resources_server = "no_such_server"
+    (v,) = preflight(g)
+    assert v[0] == "env.agentic.gym.resources_server" and "tiny_arith" in v[2]  # it lists what Gym has
+    g.resources_server, g.python, g.dataset = None, "/nonexistent/gym-python", "nope.jsonl"
+    out: list = []
+    check_gym(out, cfg)
+    assert {x.key for x in out if isinstance(x, Violation)} == {"env.agentic.gym.resources_server",
+                                                                 "env.agentic.gym.python", "env.agentic.gym.dataset"}

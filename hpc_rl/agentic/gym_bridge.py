@@ -33,13 +33,9 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
-import shutil
-import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -48,9 +44,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .contract import EpisodeResult, Truncated
+from .gym_servers import LAUNCH, REPO, GymServers, gym_env, interpreter, search_dirs
 
 log = logging.getLogger("hpc_rl.agentic.gym")
-REPO = Path(__file__).resolve().parents[2]
 EPISODE_FIELD = "hpc_rl_episode"  # in responses_create_params.metadata: which live episode a model call is
 REJECT_LABEL = "gym_proxy"  # the auth counters' kind for requests without the proxy's key
 # what Gym's vllm_model sends besides the chat: its token-id capture (logprobs, top_logprobs=0,
@@ -58,57 +54,6 @@ REJECT_LABEL = "gym_proxy"  # the auth counters' kind for requests without the p
 # asks for its own (temperature, max_tokens, ...) is refused with a 400 naming it.
 ALLOWED = {"model", "messages", "metadata", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
            "return_tokens_as_token_ids", "return_token_ids", "n", "stream"}
-READY_LINE = "servers ready!"  # `gym env start` prints "All N / N servers ready! ..." once every server answers
-SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
-
-# Run by the Gym interpreter: every Gym server runs from that interpreter's own environment
-# (one install, no per-server uv venvs: `+skip_venv_if_present` finds a .venv link per
-# server under `+uv_venv_dir`), then Gym's CLI. Also the preflight (argv[1] == "check").
-LAUNCH = r"""
-import json, os, sys
-from pathlib import Path
-import nemo_gym
-spec = json.loads(sys.argv[1]) if sys.argv[1] != "check" else json.loads(sys.argv[2])
-roots = [Path(d) for d in spec["search_dirs"]] + [Path(nemo_gym.PARENT_DIR)]
-found = {k: sorted({s.name for r in roots if (r / k).is_dir() for s in (r / k).iterdir() if s.is_dir()})
-         for k in %(kinds)r}
-if sys.argv[1] == "check":
-    rs = spec["resources_server"]
-    cfg = [r / "resources_servers" / rs / "configs" / (rs + ".yaml") for r in roots]
-    print(json.dumps({"prefix": sys.prefix, "gym": nemo_gym.__version__ if hasattr(nemo_gym, "__version__") else "",
-                      "resources_servers": found["resources_servers"], "config": [str(c) for c in cfg if c.exists()]}))
-    sys.exit(0)
-venvs = Path(spec["venvs"])
-for kind, names in found.items():
-    for name in names:
-        link = venvs / kind / name / ".venv"
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.exists():
-            link.symlink_to(sys.prefix)
-from nemo_gym.cli.main import main
-sys.argv = ["gym", *spec["argv"]]
-main()
-""" % {"kinds": SERVER_KINDS}
-
-
-def interpreter(python: str) -> List[str]:
-    """The configured interpreter as argv (a command may carry arguments; relative to the repo)."""
-    parts = python.split()
-    p = Path(parts[0])
-    return [str(p if p.is_absolute() else REPO / p), *parts[1:]]
-
-
-def search_dirs(dirs) -> List[str]:
-    return [str(Path(d) if Path(d).is_absolute() else REPO / d) for d in dirs]
-
-
-def gym_env() -> Dict[str, str]:
-    """The environment Gym's processes get: the rank's, without the job's key or our Python."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HPC_RL_JOB_KEY", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
-    return env
-
-
 class GymError(RuntimeError):
     """A Gym episode that ended in an error on Gym's side (its agent's /run failed)."""
 
@@ -244,95 +189,6 @@ class Proxy:
                                   "completion_tokens": len(gen), "total_tokens": len(prompt) + len(gen)}})
 
 
-class GymServers:
-    """`gym env start` for one environment, under the Gym interpreter, pointed at the proxy."""
-
-    def __init__(self, python: str, resources_server: str, agent: Optional[str], dirs: List[str], args: List[str],
-                 proxy: Proxy, start_timeout_s: float = 600.0):
-        self.dir = tempfile.mkdtemp(prefix="hpc_rl_gym_", dir="/tmp")  # 0700; the sandbox shares /tmp
-        cfg = Path(self.dir) / "hpc_rl.yaml"
-        fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:  # JSON is YAML: Gym's --config reads it
-            json.dump({"policy_base_url": proxy.url, "policy_api_key": proxy.key, "policy_model_name": proxy.model_name}, f)
-        with socket.socket() as s:  # Gym's head server takes a fixed port (11000): one free now
-            s.bind(("127.0.0.1", 0))
-            head = s.getsockname()[1]
-        self.head = f"http://127.0.0.1:{head}"
-        argv = ["env", "start", "--resources-server", resources_server, "--model-type", "vllm_model", "--config", str(cfg),
-                *[x for d in dirs for x in ("--search-dir", d)], "+skip_venv_if_present=true",
-                f"+uv_venv_dir={self.dir}/venvs", "+model_endpoint_readiness_timeout_seconds=0",
-                f"+head_server.port={head}",
-                # Gym's training mode: the model server asks for token ids and log-probs and its agent
-                # passes them on in its output items (a command-line override: vllm_model.yaml, read
-                # after our config file, sets it false)
-                "++policy_model.responses_api_models.vllm_model.return_token_id_information=true", *args]
-        spec = json.dumps({"search_dirs": dirs, "venvs": f"{self.dir}/venvs", "argv": argv})
-        self.tail: List[str] = []
-        ready, started = threading.Event(), threading.Event()
-        self._box: Dict[str, Any] = {}
-        threading.Thread(target=self._run, args=([*interpreter(python), "-c", LAUNCH, spec], ready, started), daemon=True,
-                         name="hpc_rl-gym").start()
-        started.wait(60)
-        if "error" in self._box:
-            raise RuntimeError(f"the Gym interpreter did not start: {self._box['error']}")
-        ready.wait(start_timeout_s)
-        if not self._box.get("ready"):
-            self.close()
-            raise RuntimeError(f"NeMo Gym did not start {resources_server} within {start_timeout_s} s:\n"
-                               + "\n".join(self.tail[-30:]))
-        self.agent_url = self._agent(agent)
-
-    def _run(self, argv, ready, started) -> None:
-        """Start Gym, then read its output. In a thread that lives as long as Gym: the
-        parent-death signal follows the thread that started the process. Gym's servers run in
-        the rank's process group (the rank's supervisor kills them with its leftovers) and, with
-        tests/gym_python.sh's wrapper, in a pid namespace that dies with it (bwrap --die-with-parent)."""
-        def dies_with_parent():
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-        try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env=gym_env(), cwd=self.dir, text=True, bufsize=1, preexec_fn=dies_with_parent)
-        except OSError as exc:
-            self._box["error"] = exc
-            started.set()
-            return
-        started.set()
-        for line in self.proc.stdout:
-            self.tail = (self.tail + [line.rstrip()])[-200:]
-            if READY_LINE in line and not ready.is_set():
-                self._box["ready"] = True
-                ready.set()
-        self.tail.append(f"(gym exited, rc {self.proc.wait()})")
-        ready.set()
-
-    def _agent(self, agent: Optional[str]) -> str:
-        import urllib.request
-
-        with urllib.request.urlopen(f"{self.head}/server_instances", timeout=30) as r:
-            servers = json.loads(r.read())
-        agents = [s for s in servers if s.get("server_type") == "responses_api_agents"]
-        chosen = [s for s in agents if agent in (None, s.get("process_name"))]
-        if len(chosen) != 1:
-            self.close()
-            raise RuntimeError(f"env.agentic.gym.agent={agent!r}: Gym runs agents {[s.get('process_name') for s in agents]}; "
-                               "name one of them")
-        return chosen[0]["url"]
-
-    def close(self) -> None:
-        proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # Gym's own shutdown (its servers, its Ray cluster)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 @dataclass
 class GymEpisode:
     """A NeMo Gym environment as an Episode. `resources_server`: its name (a Gym built-in, or
@@ -407,6 +263,43 @@ class GymEpisode:
     def close(self) -> None:
         if self.servers is not None:
             self.servers.close()
+
+
+def preflight(g) -> list:
+    """Before a launch (launchers/runnable.py): the Gym interpreter runs, imports nemo_gym and
+    finds the resources server's config (a built-in, or under search_dirs); the dataset's rows
+    are Gym rows. `g`: env.agentic.gym. Returns (key, value, why, fix) for each problem."""
+    argv = interpreter(g.python)
+    if not Path(argv[0]).exists() or not g.resources_server:
+        return []  # config/validate_agentic.py names these
+    spec = json.dumps({"search_dirs": search_dirs(g.search_dirs), "resources_server": g.resources_server})
+    try:
+        proc = subprocess.run([*argv, "-c", LAUNCH, "check", spec], capture_output=True, text=True, timeout=300,
+                              env=gym_env())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.CompletedProcess(argv, 1, "", f"{type(exc).__name__}: {exc}")
+    if proc.returncode != 0:
+        last = " | ".join(ln.strip() for ln in proc.stderr.splitlines()[-3:] if ln.strip()) or f"rc {proc.returncode}"
+        return [("env.agentic.gym.python", g.python, f"does not run a Python with nemo-gym: {last[:600]}",
+                 "point env.agentic.gym.python at an interpreter with nemo-gym 0.7.0 (tests/gym_python.sh builds "
+                 ".gym-python/bin/gym-python)")]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = []
+    if not found["config"]:
+        out.append(("env.agentic.gym.resources_server", g.resources_server,
+                    f"Gym finds no resources_servers/{g.resources_server}/configs/{g.resources_server}.yaml (it has "
+                    f"{found['resources_servers']})", "name one of those, or add the directory holding "
+                    "resources_servers/<name> to env.agentic.gym.search_dirs"))
+    try:
+        bad = [i for i, row in enumerate(GymEpisode(g.resources_server, g.dataset).rows)
+               if not isinstance(row.get("responses_create_params"), dict)]
+        if bad:
+            out.append(("env.agentic.gym.dataset", g.dataset, f"rows {bad[:5]} have no responses_create_params",
+                        "point it at a Gym dataset JSONL (one row per line, each with responses_create_params)"))
+    except (OSError, ValueError) as exc:
+        out.append(("env.agentic.gym.dataset", g.dataset, f"cannot be read as Gym rows: {exc}",
+                    "point it at a Gym dataset JSONL (relative to the repository, or absolute)"))
+    return out
 
 
 def build(**cfg) -> GymEpisode:
