@@ -197,3 +197,60 @@ def test_the_launch_preflight_names_the_key_of_an_environment_gym_cannot_resolve
     check_gym(out, cfg)
     assert {x.key for x in out if isinstance(x, Violation)} == {"env.agentic.gym.resources_server",
                                                                  "env.agentic.gym.python", "env.agentic.gym.dataset"}
+
+
+RANK = """
+import sys
+from hpc_rl.agentic.gym_bridge import Proxy
+from hpc_rl.agentic.gym_servers import GymServers, search_dirs
+g = GymServers(".gym-python/bin/gym-python", "tiny_arith", None, search_dirs(["environments/gym"]), [], Proxy("hpc_rl"), 300)
+print(g.proc.pid, g.agent_url, flush=True)
+sys.stdin.read()
+"""
+
+
+def _descendants(pid: int) -> set:
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def test_gyms_processes_die_with_the_env_rank():
+    """A process standing in for the env rank starts Gym (its only agent: env.agentic.gym.agent
+    unset) and is SIGKILLed: every Gym process (bubblewrap, Gym's CLI, its servers, its Ray
+    cluster) exits, by the parent-death signal and the pid namespace, with nobody's cleanup."""
+    import select
+    import sys
+
+    from hpc_rl.config import load_config
+
+    _ensure_interpreter(load_config(["+recipe=tiny_gym_grpo"]))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    rank = subprocess.Popen([sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                            env=env, text=True)
+    try:
+        line = rank.stdout.readline().split()
+        assert len(line) == 2 and line[1].startswith("http://127.0.0.1:"), line
+        gym = _descendants(rank.pid)
+        assert int(line[0]) in gym and len(gym) >= 5, gym  # bwrap, Gym's CLI, its servers, Ray
+        fds = {p: os.pidfd_open(p) for p in gym if Path(f"/proc/{p}").exists()}
+    finally:
+        rank.kill()
+        rank.wait()
+    try:
+        for p, fd in fds.items():  # a pidfd turns readable when its process exits: an event, not a poll
+            ready, _, _ = select.select([fd], [], [], 60)
+            assert ready, f"Gym process {p} outlived its env rank: {Path(f'/proc/{p}/cmdline').read_bytes()[:200]!r}"
+    finally:
+        for fd in fds.values():
+            os.close(fd)
