@@ -156,7 +156,7 @@ def _post(url: str, body: dict, key: str = None) -> int:
         return e.code
 
 
-def test_the_proxy_needs_its_key_and_gym_never_holds_the_jobs_key(bridge):
+def test_the_proxy_needs_its_key_gym_is_out_of_reach_and_never_holds_the_jobs_key(bridge):
     from hpc_rl.runtime.auth_stats import process_counts
 
     episode, _, _ = bridge
@@ -173,6 +173,12 @@ def test_the_proxy_needs_its_key_and_gym_never_holds_the_jobs_key(bridge):
     environ = Path(f"/proc/{pid}/environ").read_bytes()
     assert b"HPC_RL_JOB_KEY" not in environ and JOB_KEY.encode() not in environ
     assert proxy.key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    # Gym's servers live in a network namespace of their own: none of their ports answers here,
+    # only the unix socket in the rank's 0700 directory leads in
+    for url in (episode.servers.agent_url, episode.servers.head):
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(url, timeout=10)
+    assert json.loads(episode.servers.get(episode.servers.agent_url + "/")) == {"status": "ok"}
     cfg_dir = Path(episode.servers.dir)
     assert cfg_dir.stat().st_mode & 0o777 == 0o700 and (cfg_dir / "hpc_rl.yaml").stat().st_mode & 0o777 == 0o600
 

@@ -34,6 +34,7 @@ import hmac
 import json
 import logging
 import secrets
+import shutil
 import socket
 import subprocess
 import threading
@@ -120,6 +121,7 @@ class Proxy:
             app.add_routes([web.post("/v1/chat/completions", self._chat), web.get("/v1/models", self._models)])
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             loop.run_until_complete(runner.setup())
+            self._runner, self._loop = runner, loop
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((self.host, 0))
             loop.run_until_complete(web.SockSite(runner, sock, backlog=1024).start())
@@ -130,6 +132,16 @@ class Proxy:
             return
         self._ready.set()
         loop.run_forever()
+
+    def serve_unix(self, path: str) -> None:
+        """Also listen on a unix socket (Gym in its own network namespace reaches the proxy
+        through it); the same key is required there."""
+        from aiohttp import web
+
+        async def start():
+            await web.UnixSite(self._runner, path).start()
+
+        asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
 
     async def _models(self, request):
         from aiohttp import web
@@ -194,7 +206,8 @@ class GymEpisode:
     """A NeMo Gym environment as an Episode. `resources_server`: its name (a Gym built-in, or
     one under `search_dirs`); `dataset`: the JSONL of Gym rows the episodes play (relative
     to the repo); `agent`: the agent server to call (None: the environment's only one);
-    `python`: the Gym interpreter; `args`: extra `gym env start` overrides."""
+    `python`: the Gym interpreter; `args`: extra `gym env start` overrides; `private_network`:
+    Gym in a network namespace of its own (bubblewrap), reached through unix sockets."""
 
     resources_server: str
     dataset: str
@@ -202,6 +215,7 @@ class GymEpisode:
     python: str = ".gym-python/bin/gym-python"
     search_dirs: List[str] = field(default_factory=list)
     args: List[str] = field(default_factory=list)
+    private_network: bool = True
     model_name: str = "hpc_rl"
     start_timeout_s: float = 600.0
 
@@ -220,7 +234,7 @@ class GymEpisode:
                 self.proxy = self.proxy or Proxy(self.model_name)
                 t0 = time.perf_counter()
                 self.servers = GymServers(self.python, self.resources_server, self.agent, search_dirs(self.search_dirs),
-                                          list(self.args), self.proxy, self.start_timeout_s)
+                                          list(self.args), self.proxy, self.start_timeout_s, self.private_network)
                 log.info("NeMo Gym %s up in %.1f s; agent at %s", self.resources_server, time.perf_counter() - t0,
                          self.servers.agent_url)
             return self.servers.agent_url
@@ -241,7 +255,9 @@ class GymEpisode:
         live = _Live(chat, asyncio.get_running_loop())
         self.proxy.live[token] = live
         try:
-            async with aiohttp.ClientSession() as s, s.post(f"{url}/run", json=row) as r:
+            sock = self.servers.sock  # Gym in its own network namespace: in through its unix socket
+            connector = aiohttp.UnixConnector(path=sock) if sock else None
+            async with aiohttp.ClientSession(connector=connector) as s, s.post(f"{url}/run", json=row) as r:
                 text = await r.text()
         finally:
             self.proxy.live.pop(token, None)
@@ -285,6 +301,10 @@ def preflight(g) -> list:
                  ".gym-python/bin/gym-python)")]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     out = []
+    if g.private_network and shutil.which("bwrap") is None:
+        out.append(("env.agentic.gym.private_network", True, "needs bubblewrap (bwrap) on the env nodes for Gym's "
+                    "network namespace", "install bubblewrap (apt-get install bubblewrap; `make setup` does), or set "
+                    "env.agentic.gym.private_network=false to run Gym's servers on 127.0.0.1 (docs/security.md)"))
     if not found["config"]:
         out.append(("env.agentic.gym.resources_server", g.resources_server,
                     f"Gym finds no resources_servers/{g.resources_server}/configs/{g.resources_server}.yaml (it has "

@@ -50,10 +50,46 @@ for kind, names in found.items():
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.exists():
             link.symlink_to(sys.prefix)
+argv = list(spec["argv"])
+if spec.get("bridge"):
+    # a private network namespace: Gym's model calls leave it through a unix socket to the
+    # rank's proxy, the rank's calls enter it through another (to the port its Host names)
+    import asyncio, re, socket, threading
+    bridge = Path(spec["bridge"])
+
+    async def pipe(r, w):
+        try:
+            while True:
+                data = await r.read(65536)
+                if not data:
+                    break
+                w.write(data)
+                await w.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    async def outward(r, w):
+        pr, pw = await asyncio.open_unix_connection(str(bridge / "proxy.sock"))
+        await asyncio.gather(pipe(r, pw), pipe(pr, w))
+
+    async def inward(r, w):
+        head = await r.readuntil(b"\r\n\r\n")
+        port = int(re.search(rb"(?im)^host:[^\r\n]*:(\d+)\s*$", head).group(1))
+        tr, tw = await asyncio.open_connection("127.0.0.1", port)
+        tw.write(head)
+        await asyncio.gather(pipe(r, tw), pipe(tr, w))
+
+    loop = asyncio.new_event_loop()
+    out_srv = loop.run_until_complete(asyncio.start_server(outward, "127.0.0.1", 0))
+    loop.run_until_complete(asyncio.start_unix_server(inward, str(bridge / "gym.sock")))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    argv.append("++policy_base_url=http://127.0.0.1:%d/v1" % out_srv.sockets[0].getsockname()[1])
 from nemo_gym.cli.main import main
-sys.argv = ["gym", *spec["argv"]]
+sys.argv = ["gym", *argv]
 main()
-""" % {"kinds": SERVER_KINDS}
+""".replace("%(kinds)r", repr(SERVER_KINDS))
 
 
 def interpreter(python: str) -> List[str]:
@@ -78,8 +114,13 @@ class GymServers:
     """`gym env start` for one environment, under the Gym interpreter, pointed at the proxy."""
 
     def __init__(self, python: str, resources_server: str, agent: Optional[str], dirs: List[str], args: List[str],
-                 proxy, start_timeout_s: float = 600.0):
+                 proxy, start_timeout_s: float = 600.0, private_network: bool = True):
         self.dir = tempfile.mkdtemp(prefix="hpc_rl_gym_", dir="/tmp")  # 0700; the sandbox shares /tmp
+        # private_network: Gym in a network namespace of its own (bubblewrap), reached only
+        # through unix sockets in that 0700 directory; else Gym's servers on 127.0.0.1
+        self.sock = f"{self.dir}/gym.sock" if private_network else None
+        if private_network:
+            proxy.serve_unix(f"{self.dir}/proxy.sock")
         cfg = Path(self.dir) / "hpc_rl.yaml"
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:  # JSON is YAML: Gym's --config reads it
@@ -96,11 +137,13 @@ class GymServers:
                 # passes them on in its output items (a command-line override: vllm_model.yaml, read
                 # after our config file, sets it false)
                 "++policy_model.responses_api_models.vllm_model.return_token_id_information=true", *args]
-        spec = json.dumps({"search_dirs": dirs, "venvs": f"{self.dir}/venvs", "argv": argv})
+        spec = json.dumps({"search_dirs": dirs, "venvs": f"{self.dir}/venvs", "argv": argv,
+                           "bridge": self.dir if private_network else None})
+        netns = ["bwrap", "--dev-bind", "/", "/", "--unshare-net", "--die-with-parent", "--"] if private_network else []
         self.tail: List[str] = []
         ready, started = threading.Event(), threading.Event()
         self._box: Dict[str, Any] = {}
-        threading.Thread(target=self._run, args=([*interpreter(python), "-c", LAUNCH, spec], ready, started), daemon=True,
+        threading.Thread(target=self._run, args=([*netns, *interpreter(python), "-c", LAUNCH, spec], ready, started), daemon=True,
                          name="hpc_rl-gym").start()
         started.wait(60)
         if "error" in self._box:
@@ -139,10 +182,7 @@ class GymServers:
         ready.set()
 
     def _agent(self, agent: Optional[str]) -> str:
-        import urllib.request
-
-        with urllib.request.urlopen(f"{self.head}/server_instances", timeout=30) as r:
-            servers = json.loads(r.read())
+        servers = json.loads(self.get(f"{self.head}/server_instances"))
         agents = [s for s in servers if s.get("server_type") == "responses_api_agents"]
         chosen = [s for s in agents if agent in (None, s.get("process_name"))]
         if len(chosen) != 1:
@@ -150,6 +190,23 @@ class GymServers:
             raise RuntimeError(f"env.agentic.gym.agent={agent!r}: Gym runs agents {[s.get('process_name') for s in agents]}; "
                                "name one of them")
         return chosen[0]["url"]
+
+    def get(self, url: str) -> bytes:
+        """GET one of Gym's servers: through the namespace's unix socket when Gym has one."""
+        import http.client
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        if self.sock:
+            conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.sock.settimeout(30)
+            conn.sock.connect(self.sock)
+        try:
+            conn.request("GET", u.path or "/")
+            return conn.getresponse().read()
+        finally:
+            conn.close()
 
     def close(self) -> None:
         proc = getattr(self, "proc", None)

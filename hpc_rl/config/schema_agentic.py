@@ -54,6 +54,10 @@ class GymConfig(Traced):
     search_dirs: List[str] = field(default_factory=list)
     # Extra `gym env start` overrides (Hydra syntax, e.g. "+policy_model.responses_api_models.vllm_model.uses_reasoning_parser=false").
     args: List[str] = field(default_factory=list)
+    # Gym's servers (and the Ray cluster Gym starts) in a network namespace of their own
+    # (bubblewrap --unshare-net), reached only through unix sockets in a 0700 directory: no
+    # port of theirs is reachable from the node. false: they listen on 127.0.0.1 without a key.
+    private_network: bool = True
 
 
 @dataclass

@@ -35,7 +35,8 @@ def environment_kwargs(cfg) -> Dict[str, Any]:
     if a.environment == "gym":
         g = a.gym
         return {"resources_server": g.resources_server, "dataset": g.dataset, "agent": g.agent, "python": g.python,
-                "search_dirs": list(g.search_dirs), "args": list(g.args), "model_name": cfg.model.name,
+                "search_dirs": list(g.search_dirs), "args": list(g.args), "private_network": g.private_network,
+                "model_name": cfg.model.name,
                 "start_timeout_s": a.episode_timeout_s}
     if a.environment != "verifiers":
         return {}
