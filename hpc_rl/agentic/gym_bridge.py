@@ -17,13 +17,13 @@ choice.token_ids, logprobs.content[].token "token_id:N"), so Gym's agent carries
 own ids and log-probs in its output items (prompt_token_ids, generation_token_ids,
 generation_log_probs) exactly as our trajectory holds them. The reward is Gym's /verify.
 
-Security (docs/security.md): the proxy listens on the rank's loopback and every request must
-carry a key made for this process, not the job's; Gym gets it in a 0600 config file in a
-0700 directory, never on a command line, and gets no HPC_RL_JOB_KEY. Gym's own servers (its
-head server, the agent, the resources and model servers) and the Ray cluster Gym starts
-listen on ports without our key: on 127.0.0.1 (Gym's default host), Ray's GCS on the node's
-address under Ray's own token. That is a known gap: another user's process on the same node
-can reach Gym's servers (not the generator: the proxy and the endpoint need keys).
+Security (docs/security.md): the proxy listens on the rank's loopback (and, for a Gym in its
+own network namespace, on a unix socket in the rank's 0700 directory) and every request must
+carry a key made for this process, not the job's; Gym gets it in a 0600 config file in that
+directory, never on a command line, and gets no HPC_RL_JOB_KEY. Gym's own servers and its Ray
+cluster listen without our key: with private_network (the default) in a network namespace
+of their own (gym_servers.py), reached only through that directory's sockets; without it on
+127.0.0.1, reachable by any process on the node (docs/security.md names that mode's gap).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ env rank's side: the proxy and the episodes).
 `gym env start` runs Gym's head server, the resources server, its agent and Gym's vllm_model
 model server, each from the interpreter's own environment (no per-server uv venvs), the
 model server pointed at the rank's proxy by a 0600 config file in a 0700 directory (the
-proxy's key never on a command line). The processes die with the env rank: a parent-death
+proxy's key never on a command line). With private_network the interpreter runs under
+`bwrap --unshare-net`: Gym's servers and Ray have no port on the node, and a forwarder inside
+the namespace relays two unix sockets of that directory (proxy.sock outward, gym.sock
+inward). The processes die with the env rank: a parent-death
 signal on the interpreter, the rank's process group, and with tests/gym_python.sh's
 interpreter a bubblewrap pid namespace that dies with it (--die-with-parent).
 """
