@@ -126,6 +126,25 @@ def test_trajectories_are_the_tokens_the_policy_sampled_and_rewards_are_gyms_ver
     assert same[0].calls[0][0] == same[1].calls[0][0] == policies[3].calls[0][0]
 
 
+def test_a_rows_max_output_tokens_caps_the_turn(bridge):
+    """A Gym row's max_output_tokens reaches the proxy as max_tokens: the turn's cap."""
+    from hpc_rl.agentic.local import HFPolicy
+
+    episode, tok, model = bridge
+    rows = episode.rows
+    episode.rows = [json.loads(json.dumps(r)) for r in rows]
+    for r in episode.rows:
+        r["responses_create_params"]["max_output_tokens"] = 2
+    try:
+        policies = [Recorder(HFPolicy(model, tok, greedy=False)) for _ in range(4)]
+        batch = _run(episode, tok, policies)
+    finally:
+        episode.rows = rows
+    assert batch.metrics()["errors"] == 0, batch.error_lines()
+    assert all(len(p.calls) == 1 and len(p.calls[0][1][0]) <= 2 for p in policies)
+    assert any(len(p.calls[0][1][0]) == 2 for p in policies)
+
+
 def test_a_failing_policy_call_is_the_episodes_error_counted_by_kind(bridge):
     from hpc_rl.agentic.local import HFPolicy
 

@@ -51,10 +51,11 @@ log = logging.getLogger("hpc_rl.agentic.gym")
 EPISODE_FIELD = "hpc_rl_episode"  # in responses_create_params.metadata: which live episode a model call is
 REJECT_LABEL = "gym_proxy"  # the auth counters' kind for requests without the proxy's key
 # what Gym's vllm_model sends besides the chat: its token-id capture (logprobs, top_logprobs=0,
-# return_tokens_as_token_ids), the rows' metadata, tools. Sampling is the run's; a field that
-# asks for its own (temperature, max_tokens, ...) is refused with a 400 naming it.
+# return_tokens_as_token_ids), the rows' metadata, tools, a cap on the turn's tokens (a row's
+# max_output_tokens, within env.agentic's budget). Sampling is the run's; a field that asks
+# for its own (temperature, top_p, seed, ...) is refused with a 400 naming it.
 ALLOWED = {"model", "messages", "metadata", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
-           "return_tokens_as_token_ids", "return_token_ids", "n", "stream"}
+           "return_tokens_as_token_ids", "return_token_ids", "n", "stream", "max_tokens", "max_completion_tokens"}
 class GymError(RuntimeError):
     """A Gym episode that ended in an error on Gym's side (its agent's /run failed)."""
 
@@ -174,7 +175,10 @@ class Proxy:
         messages = [_message(m) for m in body.get("messages") or []]
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         chat = live.chat
-        fut = asyncio.run_coroutine_threadsafe(chat(messages, tools or None), live.loop)
+        cap = body.get("max_completion_tokens") or body.get("max_tokens")
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            return self._refuse(400, f"max_tokens must be a positive integer, not {cap!r}")
+        fut = asyncio.run_coroutine_threadsafe(chat(messages, tools or None, cap), live.loop)
         try:
             msg = await asyncio.wrap_future(fut)
         except (Exception, asyncio.CancelledError) as exc:  # a limit, or the policy call failed: the episode's end
