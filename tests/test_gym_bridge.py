@@ -229,7 +229,7 @@ import sys
 from hpc_rl.agentic.gym_bridge import Proxy
 from hpc_rl.agentic.gym_servers import GymServers, search_dirs
 g = GymServers(".gym-python/bin/gym-python", "tiny_arith", None, search_dirs(["environments/gym"]), [], Proxy("hpc_rl"), 300)
-print(g.proc.pid, g.agent_url, flush=True)
+print(g.proc.pid, g.agent_url, g.dir, flush=True)
 sys.stdin.read()
 """
 
@@ -265,7 +265,7 @@ def test_gyms_processes_die_with_the_env_rank():
                             env=env, text=True)
     try:
         line = rank.stdout.readline().split()
-        assert len(line) == 2 and line[1].startswith("http://127.0.0.1:"), line
+        assert len(line) == 3 and line[1].startswith("http://127.0.0.1:"), line
         gym = _descendants(rank.pid)
         assert int(line[0]) in gym and len(gym) >= 5, gym  # bwrap, Gym's CLI, its servers, Ray
         fds = {p: os.pidfd_open(p) for p in gym if Path(f"/proc/{p}").exists()}
@@ -279,3 +279,6 @@ def test_gyms_processes_die_with_the_env_rank():
     finally:
         for fd in fds.values():
             os.close(fd)
+        import shutil
+
+        shutil.rmtree(line[2], ignore_errors=True)  # a killed rank leaves its directory (its key died with it)

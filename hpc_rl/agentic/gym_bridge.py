@@ -284,6 +284,8 @@ class GymEpisode:
         if self.servers is not None:
             self.servers.close()
 
+    shutdown = close  # the env rank's call at the run's end (roles/episode_runner.py)
+
 
 def preflight(g) -> list:
     """Before a launch (launchers/runnable.py): the Gym interpreter runs, imports nemo_gym and

@@ -14,6 +14,7 @@ interpreter a bubblewrap pid namespace that dies with it (--die-with-parent).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -119,6 +120,11 @@ class GymServers:
     def __init__(self, python: str, resources_server: str, agent: Optional[str], dirs: List[str], args: List[str],
                  proxy, start_timeout_s: float = 600.0, private_network: bool = True):
         self.dir = tempfile.mkdtemp(prefix="hpc_rl_gym_", dir="/tmp")  # 0700; the sandbox shares /tmp
+        # Ray's session files go there too (RAY_TMPDIR), not into the node's /tmp/ray.
+        # The rank's normal exit stops Gym and removes the directory (its config file holds the
+        # proxy's key, dead with the rank's process, but the directory is litter); a killed rank
+        # leaves it for /tmp's cleaning
+        atexit.register(self.close)
         # private_network: Gym in a network namespace of its own (bubblewrap), reached only
         # through unix sockets in that 0700 directory; else Gym's servers on 127.0.0.1
         self.sock = f"{self.dir}/gym.sock" if private_network else None
@@ -170,7 +176,7 @@ class GymServers:
 
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env=gym_env(), cwd=self.dir, text=True, bufsize=1, preexec_fn=dies_with_parent)
+                                         env=dict(gym_env(), RAY_TMPDIR=f"{self.dir}/ray"), cwd=self.dir, text=True, bufsize=1, preexec_fn=dies_with_parent)
         except OSError as exc:
             self._box["error"] = exc
             started.set()
@@ -216,7 +222,7 @@ class GymServers:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # Gym's own shutdown (its servers, its Ray cluster)
             try:
-                proc.wait(60)
+                proc.wait(15)  # then the kill: its pid namespace (and the parent-death signals) take the rest
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -69,6 +69,13 @@ class EpisodeRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(ctx.cfg.model.path)
         self._key = endpoint_key()  # held in memory only (docs/security.md)
 
+    def shutdown(self) -> None:
+        """At the run's end: an environment that holds outside resources (a NeMo Gym
+        environment's servers and its directory) releases them; the others have nothing to do."""
+        stop = getattr(self.episode, "shutdown", None)
+        if callable(stop):
+            stop()
+
     def run(self, works: Sequence[Episodes]) -> List[Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]]:
         """Every generator's episodes of this round, concurrently; per work (its trajectories
         and stats for the generator, its (index, reward, correct) for the driver)."""
