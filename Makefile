@@ -3,7 +3,7 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-packages verifiers-env demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup system-packages verifiers-env gym-python demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
 
 setup: system-packages $(STAMP)
 
@@ -37,6 +37,13 @@ $(VF_VENV)/.stamp: environments/tiny_arith/pyproject.toml environments/tiny_arit
 	$(VF_VENV)/bin/python -c "import verifiers, tiny_arith; print('verifiers-env ok:', verifiers.__version__)"
 	touch $@
 
+# NeMo Gym (nemo-gym 0.7.0) needs Python >= 3.13.14: tests/gym_python.sh debootstraps a Debian
+# sid root with it (root once; about 273 s and 1.7 GB) into .gym-python (git-ignored) and
+# writes .gym-python/bin/gym-python, the recipes' env.agentic.gym.python
+# (docs/agentic.md#nemo-gym-environments). Idempotent: a built tree is only re-checked.
+gym-python:
+	tests/gym_python.sh
+
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny
 # student by two tiny teachers, every role a real local process (about 7 minutes here,
 # the tiny models are copied from tiny_assets/ into the cache on first use).
@@ -45,7 +52,7 @@ demo: setup
 
 # Lint (pyflakes rules and the line length, pyproject.toml), the documentation site (strict),
 # then all tests with the local Slurm cluster up (tests marked `slurm` need it).
-test: setup verifiers-env lint docs cluster-up
+test: setup verifiers-env gym-python lint docs cluster-up
 	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
 
 lint: setup

@@ -161,6 +161,30 @@ def test_routes_answer_in_openai_shapes_with_the_token_extras(stub):
     assert models["data"][0]["id"] == "tiny"
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_by_its_id_as_nemo_gym_reads_it(stub):
+    """NeMo Gym's vllm_model server (return_token_id_information) asks with logprobs=True,
+    top_logprobs=0 and return_tokens_as_token_ids=True, then reads the generated ids from
+    `logprobs.content[].token == "token_id:N"` and checks them against choice.token_ids."""
+    ep = stub["ep"]
+    stub["box"]["text"] = "42"
+
+    async def go():
+        async with EndpointClient(ep.url, stub["key"], max_connections=2) as c:
+            gym = await c.chat([{"role": "user", "content": "2+2?"}], max_tokens=8, logprobs=True, top_logprobs=0,
+                               return_tokens_as_token_ids=True)
+            plain = await c.chat([{"role": "user", "content": "2+2?"}], max_tokens=8, logprobs=True)
+            return gym, plain
+
+    gym, plain = _run(go())
+    g0 = gym["choices"][0]
+    assert [x["token"] for x in g0["logprobs"]["content"]] == ["token_id:52", "token_id:50"]
+    assert [int(x["token"].removeprefix("token_id:")) for x in g0["logprobs"]["content"]] == g0["token_ids"]
+    assert [x["logprob"] for x in g0["logprobs"]["content"]] == [-0.5, -0.5]
+    assert gym["prompt_token_ids"] == plain["prompt_token_ids"] and g0["message"]["content"] == "42"
+    tok = stub["tok"]  # text pieces unless asked
+    assert [x["token"] for x in plain["choices"][0]["logprobs"]["content"]] == [tok.decode([52]), tok.decode([50])]
+
+
 def test_the_chat_route_parses_pythonic_tool_calls_with_vllms_parser(stub):
     ep = stub["ep"]
     stub["box"]["text"] = "[calc(expr='12*7')]"

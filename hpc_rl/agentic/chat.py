@@ -54,7 +54,9 @@ class RecordingChat:
                 return generated
         return m
 
-    async def __call__(self, messages: List[dict], tools: Optional[list] = None) -> dict:
+    async def __call__(self, messages: List[dict], tools: Optional[list] = None, max_tokens: Optional[int] = None) -> dict:
+        """The policy's next assistant message. `max_tokens`: a client's cap on this turn (an
+        adapted library's request), within the trajectory's budget."""
         lim = self.limits
         self._mark_env(time.perf_counter())
         if self.turns >= lim.max_turns:
@@ -63,7 +65,7 @@ class RecordingChat:
         budget = lim.max_tokens - len(ids)
         if budget <= 0:
             raise Truncated("max_tokens")
-        n = min(budget, lim.max_tokens_per_turn or budget)
+        n = min(budget, lim.max_tokens_per_turn or budget, max_tokens or budget)
         try:
             # a copy: the policy (a client, an engine) must not be able to alias the record
             out = await asyncio.wait_for(self.policy(list(ids), n), lim.turn_timeout_s)

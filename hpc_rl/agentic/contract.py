@@ -202,6 +202,13 @@ def _verifiers(**cfg) -> Episode:
     return VerifiersEpisode(**cfg)
 
 
+def _gym(**cfg) -> Episode:
+    from .gym_bridge import GymEpisode
+
+    return GymEpisode(**cfg)
+
+
 register_environment("single_turn", lambda **cfg: SingleTurnEpisode(**cfg))
 register_environment("verifiers", _verifiers)
+register_environment("gym", _gym)
 register_environment("calculator", _calculator)

@@ -6,7 +6,7 @@ Its comments document the keys like schema.py's do (hpc_rl/config/reference.py r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from .trace import Traced
 
@@ -31,13 +31,44 @@ class VerifiersConfig(Traced):
 
 
 @dataclass
+class GymConfig(Traced):
+    """A NeMo Gym (nemo-gym 0.7.0) environment run unchanged (hpc_rl/agentic/gym_bridge.py),
+    used when env.agentic.environment is `gym`. Each env rank starts the environment's Gym
+    servers under Gym's own interpreter and plays each episode as one call to Gym's agent;
+    Gym's model calls reach the generator through a loopback proxy on the env rank."""
+
+    # The Gym resources server's name: a Gym built-in (e.g. mcqa) or one under search_dirs
+    # (tiny_arith: the repo's environments/gym). Required with env.agentic.environment=gym.
+    resources_server: Optional[str] = None
+    # The JSONL of Gym rows (responses_create_params plus the verifier's fields) the episodes
+    # play, relative to the repository or absolute; each prompt record picks one by its id.
+    dataset: Optional[str] = None
+    # The agent server (Gym's process name, e.g. tiny_arith_simple_agent) each episode calls;
+    # None: the environment's only agent.
+    agent: Optional[str] = None
+    # Gym's interpreter, a command (relative to the repository, or absolute) whose Python has
+    # nemo-gym: tests/gym_python.sh makes .gym-python/bin/gym-python.
+    python: str = ".gym-python/bin/gym-python"
+    # Directories Gym searches for servers besides its own (`gym env start --search-dir`),
+    # relative to the repository or absolute.
+    search_dirs: List[str] = field(default_factory=list)
+    # Extra `gym env start` overrides (Hydra syntax, e.g. "+policy_model.responses_api_models.vllm_model.uses_reasoning_parser=false").
+    args: List[str] = field(default_factory=list)
+    # Gym's servers (and the Ray cluster Gym starts) in a network namespace of their own
+    # (bubblewrap --unshare-net), reached only through unix sockets in a 0700 directory: no
+    # port of theirs is reachable from the node. false: they listen on 127.0.0.1 without a key.
+    private_network: bool = True
+
+
+@dataclass
 class AgenticConfig(Traced):
     """Multi-turn episodes (hpc_rl/agentic/): the env ranks talk to the policy over many turns
     through their generator's endpoint (hpc_rl/serving/) and call tools; each episode
     becomes a token-exact trajectory in which only the policy's tokens are trained on."""
 
     # A registered environment (hpc_rl/agentic/contract.py: calculator, single_turn, verifiers:
-    # a verifiers environment, configured by env.agentic.verifiers) or a
+    # a verifiers environment, configured by env.agentic.verifiers; gym: a NeMo Gym
+    # environment, configured by env.agentic.gym) or a
     # 'package.module:factory' the env ranks import. None: single-turn verifiers score one
     # answer per prompt (no endpoint is started).
     environment: Optional[str] = None
@@ -62,3 +93,4 @@ class AgenticConfig(Traced):
     # episodes' tool calls: `pythonic` needs no special tokens (the tiny models' format).
     tool_parser: str = "pythonic"
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)  # with environment=verifiers
+    gym: GymConfig = field(default_factory=GymConfig)  # with environment=gym

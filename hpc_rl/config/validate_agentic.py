@@ -27,9 +27,39 @@ def check_verifiers(out: List[Violation], cfg: RunConfig) -> None:
                              "virtualenv's python that has verifiers==0.4.0 and the taskset installed"))
 
 
+def check_gym(out: List[Violation], cfg: RunConfig) -> None:
+    """env.agentic.gym: set only for a NeMo Gym environment, and then complete."""
+    from pathlib import Path
+
+    from hpc_rl.agentic.gym_servers import REPO, interpreter
+
+    a, g = cfg.env.agentic, cfg.env.agentic.gym
+    if a.environment != "gym":
+        if g.resources_server is not None or g.dataset is not None:
+            out.append(Violation("env.agentic.gym.resources_server", g.resources_server,
+                                 "is read only by a NeMo Gym environment",
+                                 "set env.agentic.environment=gym, or leave env.agentic.gym unset"))
+        return
+    if not g.resources_server:
+        out.append(Violation("env.agentic.gym.resources_server", g.resources_server,
+                             "a NeMo Gym environment needs its resources server's name",
+                             "set env.agentic.gym.resources_server (e.g. tiny_arith with search_dirs [environments/gym])"))
+    if not g.dataset:
+        out.append(Violation("env.agentic.gym.dataset", g.dataset, "a NeMo Gym environment needs the rows it plays",
+                             "set env.agentic.gym.dataset to a Gym dataset JSONL"))
+    elif not (Path(g.dataset) if Path(g.dataset).is_absolute() else REPO / g.dataset).exists():
+        out.append(Violation("env.agentic.gym.dataset", g.dataset, "does not exist",
+                             "set env.agentic.gym.dataset to a Gym dataset JSONL (relative to the repository, or absolute)"))
+    if not Path(interpreter(g.python)[0]).exists():
+        out.append(Violation("env.agentic.gym.python", g.python, f"{interpreter(g.python)[0]} does not exist",
+                             "run tests/gym_python.sh (nemo-gym 0.7.0 under Python 3.13 in .gym-python), or point it "
+                             "at an interpreter that has nemo-gym"))
+
+
 def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
     a = cfg.env.agentic
     check_verifiers(out, cfg)
+    check_gym(out, cfg)
     if a.environment is None:
         return
     from hpc_rl.agentic.contract import environment_factory, known_environments

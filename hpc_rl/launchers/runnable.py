@@ -43,6 +43,10 @@ def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
             from hpc_rl.agentic.verifiers_bridge import preflight
 
             found += [Violation(*v) for v in preflight(cfg.env.agentic.verifiers)]
+        if cfg.env.agentic.environment == "gym" and not found:
+            from hpc_rl.agentic.gym_bridge import preflight as gym_preflight
+
+            found += [Violation(*v) for v in gym_preflight(cfg.env.agentic.gym)]
     if found:
         raise ConfigError(found)
     return cfg, dataset

@@ -71,10 +71,10 @@ class EnvRole:
             busy = "verify" if work[0].train else "eval"
             self.ctx.set_phase(busy if work[0].wanted else "wait", work[0].step if work[0].train else None)
             self._start_step(work[0], done)
-            if kind == STOP:
-                return dict(done, stopped=True)
-            if kind == END:
-                return done
+            if kind in (STOP, END):
+                if self.episodes is not None:  # before the rank's os._exit: atexit would not run
+                    self.episodes.shutdown()
+                return dict(done, stopped=True) if kind == STOP else done
             if work[0].wanted:
                 scores = verify([it for w in work for it in w.items])
                 self.ctx.set_phase("wait_send")  # the send returns once the driver takes it

@@ -29,8 +29,15 @@ TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride
 
 def environment_kwargs(cfg) -> Dict[str, Any]:
     """What a configured environment is built with: a verifiers environment gets its section
-    (env.agentic.verifiers) and the policy's tokenizer, which verifiers renders prompts with."""
+    (env.agentic.verifiers) and the policy's tokenizer, which verifiers renders prompts with;
+    a NeMo Gym environment its section (env.agentic.gym)."""
     a = cfg.env.agentic
+    if a.environment == "gym":
+        g = a.gym
+        return {"resources_server": g.resources_server, "dataset": g.dataset, "agent": g.agent, "python": g.python,
+                "search_dirs": list(g.search_dirs), "args": list(g.args), "private_network": g.private_network,
+                "model_name": cfg.model.name,
+                "start_timeout_s": a.episode_timeout_s}
     if a.environment != "verifiers":
         return {}
     v = a.verifiers
@@ -61,6 +68,13 @@ class EpisodeRunner:
         # the chat template renders the environment's messages: the policy's own tokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(ctx.cfg.model.path)
         self._key = endpoint_key()  # held in memory only (docs/security.md)
+
+    def shutdown(self) -> None:
+        """At the run's end: an environment that holds outside resources (a NeMo Gym
+        environment's servers and its directory) releases them; the others have nothing to do."""
+        stop = getattr(self.episode, "shutdown", None)
+        if callable(stop):
+            stop()
 
     def run(self, works: Sequence[Episodes]) -> List[Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]]:
         """Every generator's episodes of this round, concurrently; per work (its trajectories

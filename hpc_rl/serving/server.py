@@ -36,7 +36,8 @@ log = logging.getLogger("hpc_rl.serving")
 REJECT_LABEL = "endpoint"  # the auth counters' kind (runtime/auth_stats.py) for requests without the key
 CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                "stop_token_ids", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "n", "stream",
-               "ignore_eos", "min_tokens", "return_token_ids", "user", "add_generation_prompt", "chat_template_kwargs"}
+               "ignore_eos", "min_tokens", "return_token_ids", "return_tokens_as_token_ids", "user", "add_generation_prompt",
+               "chat_template_kwargs"}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                      "logprobs", "n", "stream", "ignore_eos", "min_tokens", "return_token_ids", "user"}
 TOKEN_FIELDS = {"prompt_token_ids": list, "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
@@ -320,8 +321,12 @@ class _Api:
         message: Dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
+        # return_tokens_as_token_ids (vLLM's; NeMo Gym's vllm_model sends it): each logprob entry
+        # names its token as "token_id:N", so a client reads the ids without re-tokenizing text
+        pieces = ([f"token_id:{t}" for t in res.token_ids] if req.return_tokens_as_token_ids
+                  else self._pieces(res.token_ids))
         logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(self._pieces(res.token_ids), res.logprobs)]} if req.logprobs else None
+                                for t, lp in zip(pieces, res.logprobs)]} if req.logprobs else None
         out = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": "tool_calls" if calls else res.finish_reason,
                "stop_reason": res.stop_reason, **self._extras(res)}
         return web.json_response({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
