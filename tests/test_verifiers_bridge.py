@@ -10,19 +10,22 @@ A missing virtualenv is built with `make verifiers-env` (about 2.5 minutes here)
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import re
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from adapted_envs import (
+    Recorder,
+    check_a_failing_policy_call_is_the_episodes_error,
+    check_a_limit_reached_inside_the_library_truncates,
+    check_the_proxy_needs_its_key,
+    job_key_set,
+    run_batch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB_KEY = "f" * 64  # the job's secret as a rank holds it (HPC_RL_JOB_KEY): it must not reach the worker
 
 
 @pytest.fixture(scope="module")
@@ -32,55 +35,26 @@ def bridge():
     from hpc_rl.agentic.contract import build_environment
     from hpc_rl.agentic.verifiers_bridge import VerifiersEpisode, venv_python
     from hpc_rl.config import load_config
-    from hpc_rl.roles.episode_runner import environment_kwargs
     from hpc_rl.rl.inputs import resolve_model_ref
+    from hpc_rl.roles.episode_runner import environment_kwargs
 
     if not venv_python().exists():
         proc = subprocess.run(["make", "verifiers-env", f"PY={sys.executable}"], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, f"`make verifiers-env` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     path = resolve_model_ref("tiny:student")
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    old = os.environ.get("HPC_RL_JOB_KEY")
-    os.environ["HPC_RL_JOB_KEY"] = JOB_KEY
     # built as an env rank builds it, from the recipe's env.agentic.verifiers section (these
     # reads are the evidence tests/test_config_keys.py needs that the section is honoured)
     cfg = load_config(["+recipe=tiny_verifiers_grpo", f"model.path={path}",
                        "env.agentic.verifiers.taskset_args={num_tasks: '64', operation: plus, high: '9'}"])
     episode = build_environment(cfg.env.agentic.environment, **environment_kwargs(cfg))
     assert isinstance(episode, VerifiersEpisode) and episode.taskset == "tiny-arith"
-    try:
-        episode.start()
-        yield episode, tok, model
-    finally:
-        episode.close()
-        if old is None:
-            os.environ.pop("HPC_RL_JOB_KEY", None)
-        else:
-            os.environ["HPC_RL_JOB_KEY"] = old
-
-
-class Recorder:
-    """The policy as the episode's chat calls it, recording each call's prompt and answer;
-    `fail`: raise this instead (a dead endpoint)."""
-
-    def __init__(self, inner, fail: Exception = None):
-        self.inner, self.fail, self.calls = inner, fail, []
-
-    async def __call__(self, prompt_ids, max_tokens):
-        if self.fail is not None:
-            raise self.fail
-        out = await self.inner(prompt_ids, max_tokens)
-        self.calls.append((list(prompt_ids), out))
-        return out
-
-
-def _run(episode, tok, policies, limits=None):
-    from hpc_rl.agentic.contract import Limits
-    from hpc_rl.agentic.runner import run_episodes
-
-    tasks = [{"prompt": "ignored: the taskset's task plays", "id": f"item-{i}"} for i in range(len(policies))]
-    return asyncio.run(run_episodes(tasks, episode, policies, limits or Limits(max_turns=2, max_tokens=64), tok,
-                                    max_inflight=len(policies)))
+    with job_key_set():
+        try:
+            episode.start()
+            yield episode, tok, model
+        finally:
+            episode.close()
 
 
 def test_trajectories_are_the_tokens_the_policy_sampled_and_rewards_are_the_rubrics(bridge):
@@ -88,7 +62,7 @@ def test_trajectories_are_the_tokens_the_policy_sampled_and_rewards_are_the_rubr
 
     episode, tok, model = bridge
     policies = [Recorder(HFPolicy(model, tok, greedy=False)) for _ in range(8)]
-    batch = _run(episode, tok, policies)
+    batch = run_batch(episode, tok, policies)
     m = batch.metrics()
     assert m["episodes"] == 8 and m["errors"] == 0 and m["failed"] == 0, m
     assert m["changed_policy_tokens"] == 0
@@ -119,48 +93,15 @@ def test_trajectories_are_the_tokens_the_policy_sampled_and_rewards_are_the_rubr
 
 
 def test_a_failing_policy_call_is_the_episodes_error_counted_by_kind(bridge):
-    from hpc_rl.agentic.local import HFPolicy
-
-    episode, tok, model = bridge
-    policies = [Recorder(HFPolicy(model, tok, greedy=False), fail=ConnectionError("endpoint down") if i % 2 else None)
-                for i in range(6)]
-    m = _run(episode, tok, policies).metrics()
-    assert m["episodes"] == 6 and m["errors"] == 3 and m["errors_by_kind"] == {"ConnectionError": 3}, m
+    check_a_failing_policy_call_is_the_episodes_error(*bridge)
 
 
 def test_a_limit_reached_inside_verifiers_truncates_the_episode(bridge):
-    from hpc_rl.agentic.contract import Limits
-    from hpc_rl.agentic.local import HFPolicy
-
-    episode, tok, model = bridge
-    batch = _run(episode, tok, [Recorder(HFPolicy(model, tok))], Limits(max_turns=2, max_tokens=10))  # prompt > 10 tokens
-    rows, result = batch[0]
-    assert result.truncated and result.info["truncated_by"] == "max_tokens" and batch.metrics()["errors"] == 0
-
-
-def _post(url: str, body: dict, key: str = None) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    check_a_limit_reached_inside_the_library_truncates(*bridge)
 
 
 def test_the_proxy_needs_its_key_listens_on_loopback_and_the_worker_never_holds_the_jobs_key(bridge):
-    from hpc_rl.runtime.auth_stats import process_counts
-
     episode, _, _ = bridge
-    proxy = episode.proxy
-    assert proxy.host == "127.0.0.1"
-    url = f"{proxy.url}/inference/v1/generate"
     body = {"model": "hpc_rl", "token_ids": [1, 2, 3], "sampling_params": {"hpc_rl_episode": "nobody"}}
-    before = proxy.rejected
-    assert _post(url, body) == 401 and _post(url, body, "0" * 64) == 401 and _post(url, body, JOB_KEY) == 401
-    assert proxy.rejected == before + 3
-    assert process_counts()["rejected"].get("verifiers_proxy", 0) >= 3  # summary.json auth_rejected_by_kind in a run
-    assert _post(url, body, proxy.key) == 404  # the key, but no live episode of that token
-    environ = Path(f"/proc/{episode.worker.proc.pid}/environ").read_bytes()
-    assert b"HPC_RL_JOB_KEY" not in environ and JOB_KEY.encode() not in environ
-    assert proxy.key.encode() not in Path(f"/proc/{episode.worker.proc.pid}/cmdline").read_bytes()
+    check_the_proxy_needs_its_key(episode.proxy, f"{episode.proxy.url}/inference/v1/generate", body,
+                                  episode.worker.proc.pid)

@@ -57,27 +57,9 @@ class RecordingChat:
     async def __call__(self, messages: List[dict], tools: Optional[list] = None, max_tokens: Optional[int] = None) -> dict:
         """The policy's next assistant message. `max_tokens`: a client's cap on this turn (an
         adapted library's request), within the trajectory's budget."""
-        lim = self.limits
-        self._mark_env(time.perf_counter())
-        if self.turns >= lim.max_turns:
-            raise Truncated("max_turns")
-        ids = self.history.prompt([self._as_generated(m) for m in messages], tools)
-        budget = lim.max_tokens - len(ids)
-        if budget <= 0:
-            raise Truncated("max_tokens")
-        n = min(budget, lim.max_tokens_per_turn or budget, max_tokens or budget)
-        try:
-            # a copy: the policy (a client, an engine) must not be able to alias the record
-            out = await asyncio.wait_for(self.policy(list(ids), n), lim.turn_timeout_s)
-        except asyncio.TimeoutError:
-            raise Truncated("turn_timeout") from None
-        gen_ids, logprobs, v_first, v_last, finish = out[:5]
-        versions = out[5] if len(out) > 5 else None
-        self.history.add_policy(gen_ids, logprobs, v_first, v_last, finish, versions)
         turn = self.turns
-        self.turns += 1
-        if finish == "length" and n == budget:
-            self.hit_token_cap = True
+        gen_ids = (await self._turn(lambda: self.history.prompt([self._as_generated(m) for m in messages], tools),
+                                    max_tokens))[0]
         text = self.tok.decode(list(gen_ids), skip_special_tokens=True)
         generated = {"role": "assistant", "content": text}
         content, calls = text, []
@@ -98,16 +80,25 @@ class RecordingChat:
         history holds extends it; anything else is a sibling), under the same limits as a
         chat turn. `max_tokens`: the client's cap, within the trajectory's budget. Returns
         what the policy returned: (ids, logprobs, version_first, version_last, finish)."""
+        out = await self._turn(lambda: self.history.prompt_ids(prompt_ids), max_tokens)
+        self._turn_end = time.perf_counter()
+        return tuple(out[:5])
+
+    async def _turn(self, record_prompt, max_tokens: Optional[int]) -> tuple:
+        """One policy call under the limits, for both routes: `record_prompt()` records the
+        turn's prompt in the history and returns its ids; the generated ids go into the
+        history verbatim. Returns what the policy returned."""
         lim = self.limits
         self._mark_env(time.perf_counter())
         if self.turns >= lim.max_turns:
             raise Truncated("max_turns")
-        ids = self.history.prompt_ids(prompt_ids)
+        ids = record_prompt()
         budget = lim.max_tokens - len(ids)
         if budget <= 0:
             raise Truncated("max_tokens")
         n = min(budget, lim.max_tokens_per_turn or budget, max_tokens or budget)
         try:
+            # a copy: the policy (a client, an engine) must not be able to alias the record
             out = await asyncio.wait_for(self.policy(list(ids), n), lim.turn_timeout_s)
         except asyncio.TimeoutError:
             raise Truncated("turn_timeout") from None
@@ -116,8 +107,7 @@ class RecordingChat:
         self.turns += 1
         if finish == "length" and n == budget:
             self.hit_token_cap = True
-        self._turn_end = time.perf_counter()
-        return tuple(out[:5])
+        return out
 
     async def chat(self, messages: List[dict], tools: Optional[list] = None) -> dict:
         """The same call as `await chat(messages)`, spelled as a client method."""

@@ -15,6 +15,7 @@ config gives (`env.agentic.environment`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -183,6 +184,14 @@ def environment_factory(name: str) -> Callable[..., Episode]:
     if not callable(factory):
         raise KeyError(f"agentic environment {name!r}: {attr} is not callable (a factory returning an Episode)")
     return factory
+
+
+def stable_index(task: dict, n: int) -> int:
+    """Which of an adapted library's `n` tasks an item plays: a stable function of the item's
+    id (its prompt without one), so a GRPO group (one id) plays one task and a resumed step
+    plays the same ones."""
+    key = str(task.get("id") if task.get("id") is not None else task.get("prompt"))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % n
 
 
 def build_environment(name: str, **cfg) -> Episode:

@@ -29,23 +29,21 @@ of their own (gym_servers.py), reached only through that directory's sockets; wi
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import secrets
 import shutil
-import socket
 import subprocess
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
-from .contract import EpisodeResult, Truncated
+from .contract import EpisodeResult, Truncated, stable_index
 from .gym_servers import LAUNCH, REPO, GymServers, gym_env, interpreter, search_dirs
+from .loopback_proxy import LoopbackProxy
 
 log = logging.getLogger("hpc_rl.agentic.gym")
 EPISODE_FIELD = "hpc_rl_episode"  # in responses_create_params.metadata: which live episode a model call is
@@ -79,81 +77,18 @@ def _message(m: dict) -> dict:
     return {k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "name")}
 
 
-class Proxy:
+class Proxy(LoopbackProxy):
     """The loopback OpenAI chat-completions server Gym's vllm_model calls, in a daemon thread
     with its own event loop (the runner's loop is new each round)."""
 
-    def __init__(self, model_name: str, host: str = "127.0.0.1"):
-        self.model_name, self.host = model_name, host
-        self.key = secrets.token_hex(32)
-        self.live: Dict[str, _Live] = {}
-        self.rejected = self.served = self.refused = 0
-        self._ready = threading.Event()
-        self._box: Dict[str, Any] = {}
-        threading.Thread(target=self._serve, name="hpc_rl-gym-proxy", daemon=True).start()
-        if not self._ready.wait(30) or "error" in self._box:
-            raise RuntimeError(f"the Gym proxy did not start: {self._box.get('error')!r}")
-        self.port = self._box["port"]
+    LABEL, NAME = REJECT_LABEL, "gym"
+
+    def routes(self, web):
+        return [web.post("/v1/chat/completions", self._chat)]
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def _serve(self) -> None:
-        from aiohttp import web
-
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        expected = f"Bearer {self.key}".encode()
-
-        @web.middleware
-        async def authorize(request, handler):
-            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, expected):
-                self.rejected += 1
-                from hpc_rl.runtime.signed_store import reject
-
-                reject(REJECT_LABEL)
-                return web.json_response({"error": {"message": "a valid API key is required", "code": 401}}, status=401)
-            return await handler(request)
-
-        try:
-            app = web.Application(middlewares=[authorize], client_max_size=64 << 20)
-            app.add_routes([web.post("/v1/chat/completions", self._chat), web.get("/v1/models", self._models)])
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
-            loop.run_until_complete(runner.setup())
-            self._runner, self._loop = runner, loop
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((self.host, 0))
-            loop.run_until_complete(web.SockSite(runner, sock, backlog=1024).start())
-            self._box["port"] = sock.getsockname()[1]
-        except BaseException as exc:
-            self._box["error"] = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        loop.run_forever()
-
-    def serve_unix(self, path: str) -> None:
-        """Also listen on a unix socket (Gym in its own network namespace reaches the proxy
-        through it); the same key is required there."""
-        from aiohttp import web
-
-        async def start():
-            await web.UnixSite(self._runner, path).start()
-
-        asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
-
-    async def _models(self, request):
-        from aiohttp import web
-
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
-
-    def _refuse(self, status: int, message: str):
-        from aiohttp import web
-
-        self.refused += 1
-        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+        return super().url + "/v1"
 
     async def _chat(self, request):
         from aiohttp import web
@@ -245,8 +180,7 @@ class GymEpisode:
 
     def task_index(self, task: dict) -> int:
         """The row an item plays: a stable function of its id (a GRPO group plays one row)."""
-        key = str(task.get("id") if task.get("id") is not None else task.get("prompt"))
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % len(self.rows)
+        return stable_index(task, len(self.rows))
 
     async def run(self, task: dict, chat) -> EpisodeResult:
         import aiohttp

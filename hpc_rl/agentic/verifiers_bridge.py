@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import hmac
 import itertools
 import json
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -45,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .contract import EpisodeResult, Truncated
+from .contract import EpisodeResult, Truncated, stable_index
+from .loopback_proxy import LoopbackProxy
 
 log = logging.getLogger("hpc_rl.agentic.verifiers")
 REPO = Path(__file__).resolve().parents[2]
@@ -91,71 +89,14 @@ class _Live:
     requests: int = 0
 
 
-class Proxy:
+class Proxy(LoopbackProxy):
     """The loopback `/inference/v1/generate` + `/v1/models` server verifiers' train client
     calls, in a daemon thread with its own event loop (the runner's loop is new each round)."""
 
-    def __init__(self, model_name: str, host: str = "127.0.0.1"):
-        self.model_name, self.host = model_name, host
-        self.key = secrets.token_hex(32)
-        self.live: Dict[str, _Live] = {}
-        self.rejected = self.served = self.refused = 0
-        self._ready = threading.Event()
-        self._box: Dict[str, Any] = {}
-        threading.Thread(target=self._serve, name="hpc_rl-verifiers-proxy", daemon=True).start()
-        if not self._ready.wait(30) or "error" in self._box:
-            raise RuntimeError(f"the verifiers proxy did not start: {self._box.get('error')!r}")
-        self.port = self._box["port"]
+    LABEL, NAME = REJECT_LABEL, "verifiers"
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def _serve(self) -> None:
-        from aiohttp import web
-
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        expected = f"Bearer {self.key}".encode()
-
-        @web.middleware
-        async def authorize(request, handler):
-            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, expected):
-                self.rejected += 1
-                from hpc_rl.runtime.signed_store import reject
-
-                reject(REJECT_LABEL)
-                return web.json_response({"error": {"message": "a valid API key is required", "code": 401}}, status=401)
-            return await handler(request)
-
-        try:
-            app = web.Application(middlewares=[authorize], client_max_size=64 << 20)
-            app.add_routes([web.post("/inference/v1/generate", self._generate), web.get("/v1/models", self._models)])
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
-            loop.run_until_complete(runner.setup())
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((self.host, 0))
-            loop.run_until_complete(web.SockSite(runner, sock, backlog=1024).start())
-            self._box["port"] = sock.getsockname()[1]
-        except BaseException as exc:
-            self._box["error"] = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        loop.run_forever()
-
-    async def _models(self, request):
-        from aiohttp import web
-
-        # no max_model_len: the trajectory's budget is the chat's to enforce (a truncation, not an error)
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
-
-    def _refuse(self, status: int, message: str):
-        from aiohttp import web
-
-        self.refused += 1
-        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    def routes(self, web):
+        return [web.post("/inference/v1/generate", self._generate)]
 
     async def _generate(self, request):
         from aiohttp import web
@@ -320,8 +261,7 @@ class VerifiersEpisode:
     def task_index(self, task: dict) -> int:
         """The taskset's task an item plays: a stable function of the item's id, so a GRPO
         group (one id) plays one task and a resumed step plays the same ones."""
-        key = str(task.get("id") if task.get("id") is not None else task.get("prompt"))
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % self.worker.info["tasks"]
+        return stable_index(task, self.worker.info["tasks"])
 
     async def run(self, task: dict, chat) -> EpisodeResult:
         if self.worker is None:
