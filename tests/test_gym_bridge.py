@@ -14,7 +14,9 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -223,6 +225,14 @@ def test_gyms_processes_die_with_the_env_rank():
     finally:
         for fd in fds.values():
             os.close(fd)
-        import shutil
+    # the killed rank's directory (its proxy key died with it) is litter: the next rank on the
+    # node removes it, and leaves a live rank's alone
+    from hpc_rl.agentic.gym_servers import DIR_PREFIX, DIR_ROOT, _start_time, reap_stale_dirs
 
-        shutil.rmtree(line[2], ignore_errors=True)  # a killed rank leaves its directory (its key died with it)
+    assert Path(line[2]).exists()
+    live = Path(tempfile.mkdtemp(prefix=DIR_PREFIX, dir=DIR_ROOT))  # as a rank alive now (this process) writes it
+    (live / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    try:
+        assert line[2] in reap_stale_dirs() and not Path(line[2]).exists() and live.exists()
+    finally:
+        shutil.rmtree(live)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
+DIR_ROOT, DIR_PREFIX = "/tmp", "hpc_rl_gym_"  # a rank's 0700 directory (the sandbox shares /tmp)
+log = logging.getLogger("hpc_rl.agentic.gym")
 READY_LINE = "servers ready!"  # `gym env start` prints "All N / N servers ready! ..." once every server answers
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
 
@@ -114,16 +117,48 @@ def gym_env() -> Dict[str, str]:
     return env
 
 
+def _start_time(pid: int) -> Optional[str]:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid,
+    it names the process even after the pid is reused."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def reap_stale_dirs(root: str = None) -> List[str]:
+    """Remove this user's Gym directories whose owning rank is gone (SIGKILLed, so its atexit
+    never ran); a directory whose owner is alive, or not yet written, is left alone. Returns
+    the directories removed."""
+    gone = []
+    for d in Path(root or DIR_ROOT).glob(DIR_PREFIX + "*"):
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            pid, start = (d / "owner").read_text().split()
+            if _start_time(int(pid)) == start:
+                continue
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(str(d))
+    return gone
+
+
 class GymServers:
     """`gym env start` for one environment, under the Gym interpreter, pointed at the proxy."""
 
     def __init__(self, python: str, resources_server: str, agent: Optional[str], dirs: List[str], args: List[str],
                  proxy, start_timeout_s: float = 600.0, private_network: bool = True):
-        self.dir = tempfile.mkdtemp(prefix="hpc_rl_gym_", dir="/tmp")  # 0700; the sandbox shares /tmp
+        # A killed rank (no atexit) left its directory: the next rank on the node removes it
+        reaped = reap_stale_dirs()
+        if reaped:
+            log.info("removed %d Gym directories of ranks that are gone: %s", len(reaped), reaped)
+        self.dir = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=DIR_ROOT)  # 0700; the sandbox shares /tmp
+        (Path(self.dir) / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         # Ray's session files go there too (RAY_TMPDIR), not into the node's /tmp/ray.
         # The rank's normal exit stops Gym and removes the directory (its config file holds the
-        # proxy's key, dead with the rank's process, but the directory is litter); a killed rank
-        # leaves it for /tmp's cleaning
+        # proxy's key, dead with the rank's process, but the directory is litter)
         atexit.register(self.close)
         # private_network: Gym in a network namespace of its own (bubblewrap), reached only
         # through unix sockets in that 0700 directory; else Gym's servers on 127.0.0.1
