@@ -106,6 +106,13 @@ def rank_logger(ident: RankIdentity) -> logging.Logger:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+        # the adapted environments' bridges (NeMo Gym, verifiers) log under hpc_rl.agentic: their
+        # servers' start, what they reaped; into this rank's log, not lost at INFO
+        lib = logging.getLogger("hpc_rl.agentic")
+        if not lib.handlers:
+            lib.addHandler(handler)
+            lib.setLevel(logging.INFO)
+            lib.propagate = False
     return log
 
 
