@@ -205,6 +205,12 @@ def _calculator(**cfg) -> Episode:
     return StepwiseEpisode(lambda: CalculatorEnv(**cfg))
 
 
+def _python_tool(**cfg) -> Episode:
+    from .python_tool import PythonToolEpisode
+
+    return PythonToolEpisode(**cfg)
+
+
 def _verifiers(**cfg) -> Episode:
     from .verifiers_bridge import VerifiersEpisode
 
@@ -221,3 +227,4 @@ register_environment("single_turn", lambda **cfg: SingleTurnEpisode(**cfg))
 register_environment("verifiers", _verifiers)
 register_environment("gym", _gym)
 register_environment("calculator", _calculator)
+register_environment("python_tool", _python_tool)

@@ -56,6 +56,8 @@ def finish_stats(stats: Mapping[str, Any], inflight_limit: int, max_error_share:
     out.update(latency_figures(stats.get(LATENCY_SAMPLES, ())))
     out["queue_wait_s_mean"] = float(out.pop("queue_wait_s", 0.0)) / n
     out["failed_share"] = float(out.get("failed", 0)) / n
+    if "sandbox_s" in out:  # a sandboxing environment's calls (python_tool): seconds per call
+        out["sandbox_s_mean"] = float(out.pop("sandbox_s")) / max(1.0, float(out.get("sandbox_calls", 0)))
     out["inflight_limit"] = inflight_limit
     out["max_error_share"] = max_error_share
     return out

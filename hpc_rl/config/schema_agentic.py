@@ -6,7 +6,7 @@ Its comments document the keys like schema.py's do (hpc_rl/config/reference.py r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional
 
 from .trace import Traced
 
@@ -61,12 +61,34 @@ class GymConfig(Traced):
 
 
 @dataclass
+class SandboxConfig(Traced):
+    """The sandbox the python_tool environment runs each tool call in (hpc_rl/envs/sandbox.py:
+    bubblewrap, no network, read-only root, a private /tmp), used when
+    env.agentic.environment is `python_tool`. Each call is a fresh sandbox; the limits are
+    per call."""
+
+    # bwrap: bubblewrap 0.8+ on the env nodes. apptainer / enroot: their command lines are
+    # rendered (docs/agentic.md) but this version does not run them: refused at validation.
+    kind: Literal["bwrap", "apptainer", "enroot"] = "bwrap"
+    wall_s: float = 10.0  # one call's wall time; past it the sandbox is killed and the policy reads a timeout
+    cpu_s: int = 10  # one call's CPU seconds (RLIMIT_CPU: SIGXCPU)
+    memory_mb: int = 1024  # one call's address space in MiB (RLIMIT_AS: an allocation past it fails)
+    output_bytes: int = 4096  # what the policy reads of each of stdout and stderr; the rest is dropped
+    # A tool call's hard lifetime is its episode's deadline (env.agentic.episode_timeout_s from
+    # the episode's start) plus this buffer, whatever wall_s says; a collection round ends
+    # when every sandbox it started has.
+    scoring_buffer_s: float = 5.0
+
+
+@dataclass
 class AgenticConfig(Traced):
     """Multi-turn episodes (hpc_rl/agentic/): the env ranks talk to the policy over many turns
     through their generator's endpoint (hpc_rl/serving/) and call tools; each episode
     becomes a token-exact trajectory in which only the policy's tokens are trained on."""
 
-    # A registered environment (hpc_rl/agentic/contract.py: calculator, single_turn, verifiers:
+    # A registered environment (hpc_rl/agentic/contract.py: calculator, python_tool: the
+    # calculator's task with a sandboxed Python tool, configured by env.agentic.sandbox;
+    # single_turn, verifiers:
     # a verifiers environment, configured by env.agentic.verifiers; gym: a NeMo Gym
     # environment, configured by env.agentic.gym) or a
     # 'package.module:factory' the env ranks import. None: single-turn verifiers score one
@@ -94,3 +116,4 @@ class AgenticConfig(Traced):
     tool_parser: str = "pythonic"
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)  # with environment=verifiers
     gym: GymConfig = field(default_factory=GymConfig)  # with environment=gym
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # with environment=python_tool

@@ -56,10 +56,48 @@ def check_gym(out: List[Violation], cfg: RunConfig) -> None:
                              "at an interpreter that has nemo-gym"))
 
 
+def check_sandbox(out: List[Violation], cfg: RunConfig) -> None:
+    """env.agentic.sandbox: set only for the python_tool environment, and then runnable."""
+    import dataclasses
+    import shutil
+
+    from .schema_agentic import SandboxConfig
+
+    a, s = cfg.env.agentic, cfg.env.agentic.sandbox
+    if a.environment != "python_tool":
+        for f in dataclasses.fields(SandboxConfig):
+            if getattr(s, f.name) != f.default:
+                out.append(Violation(f"env.agentic.sandbox.{f.name}", getattr(s, f.name),
+                                     "is read only by the python_tool environment",
+                                     "set env.agentic.environment=python_tool, or leave env.agentic.sandbox unset"))
+        return
+    if s.kind != "bwrap":
+        found = shutil.which(s.kind)
+        where = f"{s.kind} is at {found}" if found else f"there is no {s.kind} on this host's PATH"
+        # the command line is rendered (envs/container_sandbox.py, docs/agentic.md), never run
+        out.append(Violation("env.agentic.sandbox.kind", s.kind,
+                             f"this version renders the {s.kind} sandbox's command line but does not run it ({where}; "
+                             f"a CPU cluster such as this one has no container runtime for it)",
+                             "set env.agentic.sandbox.kind=bwrap (bubblewrap 0.8+ on the env nodes)"))
+    for key in ("cpu_s", "memory_mb", "output_bytes"):
+        check_positive(out, f"env.agentic.sandbox.{key}", getattr(s, key))
+    if not s.wall_s > 0:
+        out.append(Violation("env.agentic.sandbox.wall_s", s.wall_s, "must be positive", "set env.agentic.sandbox.wall_s > 0"))
+    elif s.wall_s > a.turn_timeout_s:
+        out.append(Violation("env.agentic.sandbox.wall_s", s.wall_s,
+                             f"exceeds env.agentic.turn_timeout_s={a.turn_timeout_s}: a slow tool would end the episode "
+                             "(env_timeout) before the policy reads its timeout",
+                             "set env.agentic.sandbox.wall_s <= env.agentic.turn_timeout_s"))
+    if s.scoring_buffer_s < 0:
+        out.append(Violation("env.agentic.sandbox.scoring_buffer_s", s.scoring_buffer_s, "must be >= 0",
+                             "set env.agentic.sandbox.scoring_buffer_s >= 0 (seconds a tool may outlive its episode's deadline)"))
+
+
 def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
     a = cfg.env.agentic
     check_verifiers(out, cfg)
     check_gym(out, cfg)
+    check_sandbox(out, cfg)
     if a.environment is None:
         return
     from hpc_rl.agentic.contract import environment_factory, known_environments

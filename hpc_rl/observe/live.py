@@ -170,6 +170,10 @@ def agentic_section(steps: List[dict]) -> List[str]:
                      f"{_cell(_metric(a, 'max_queue_depth'), '.0f', 7)}{_cell(_metric(a, 'queue_wait_s_mean'), '.2f', 7)}"
                      f"{_cell(_metric(a, 'tool_latency_s_mean'), '.3f', 8)}{_cell(_metric(a, 'tool_latency_s_p95'), '.3f', 7)}")
     a = steps[-1]["agentic"]
+    if "sandbox_calls" in a:  # a sandboxing environment (python_tool): its tool calls
+        lines.append(f"step {steps[-1]['step']}: sandboxed tool calls {int(a['sandbox_calls'])}, timed out (killed) "
+                     f"{int(a.get('sandbox_timeouts', 0))}, failed {int(a.get('sandbox_failures', 0))}, "
+                     f"{_cell(_metric(a, 'sandbox_s_mean'), '.3f', 0).strip()} s per call")
     errors, timeouts = _kinds(a.get("errors_by_kind")), _kinds(a.get("timeouts_by_kind"))
     if errors or timeouts:
         limit = _metric(a, "max_error_share")

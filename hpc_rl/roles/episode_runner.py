@@ -27,11 +27,17 @@ STAT_KEYS = ("episodes", "turns", "errors", "truncated", "siblings", "tool_parse
 TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride (mod 2^31 - 1)
 
 
-def environment_kwargs(cfg) -> Dict[str, Any]:
+def environment_kwargs(cfg, sandbox_tag: str = "local") -> Dict[str, Any]:
     """What a configured environment is built with: a verifiers environment gets its section
     (env.agentic.verifiers) and the policy's tokenizer, which verifiers renders prompts with;
-    a NeMo Gym environment its section (env.agentic.gym)."""
+    a NeMo Gym environment its section (env.agentic.gym); the python_tool environment its
+    sandbox's limits (env.agentic.sandbox), the episode deadline, and the rank's sandbox tag."""
     a = cfg.env.agentic
+    if a.environment == "python_tool":
+        s = a.sandbox
+        return {"tag": sandbox_tag, "episode_timeout_s": a.episode_timeout_s, "scoring_buffer_s": s.scoring_buffer_s,
+                "wall_s": s.wall_s, "cpu_s": s.cpu_s, "memory_mb": s.memory_mb, "output_bytes": s.output_bytes,
+                "kind": s.kind}
     if a.environment == "gym":
         g = a.gym
         return {"resources_server": g.resources_server, "dataset": g.dataset, "agent": g.agent, "python": g.python,
@@ -61,7 +67,11 @@ class EpisodeRunner:
 
         self.ctx, a = ctx, ctx.cfg.env.agentic
         self.agentic = a
-        self.episode = build_environment(a.environment, **environment_kwargs(ctx.cfg))
+        from hpc_rl.agentic.python_tool import sandbox_tag
+
+        # the tag names the job and the env rank: a restarted rank reaps its predecessor's sandboxes
+        tag = sandbox_tag(ctx.ident.job_id, ctx.ident.role_rank)
+        self.episode = build_environment(a.environment, **environment_kwargs(ctx.cfg, tag))
         self.errors = ErrorLog(ctx.log, a.environment)
         self.limits = Limits(max_turns=a.max_turns, max_tokens=a.max_tokens, turn_timeout_s=a.turn_timeout_s,
                              episode_timeout_s=a.episode_timeout_s, truncated_reward=a.truncated_reward)
@@ -76,10 +86,24 @@ class EpisodeRunner:
         if callable(stop):
             stop()
 
+    def _sandbox_stats(self) -> Dict[str, float]:
+        """A sandboxing environment's (python_tool's) counts of this round, once every sandbox
+        the round started has ended (an episode cut at its deadline leaves its tool call to end
+        at the deadline plus the scoring buffer): none outlives its round."""
+        settle, take = getattr(self.episode, "settle", None), getattr(self.episode, "take_stats", None)
+        if not callable(take):
+            return {}
+        if callable(settle):
+            settle()
+        return take()
+
     def run(self, works: Sequence[Episodes]) -> List[Tuple[EpisodeReturn, List[Tuple[int, float, Any]]]]:
         """Every generator's episodes of this round, concurrently; per work (its trajectories
         and stats for the generator, its (index, reward, correct) for the driver)."""
         out = asyncio.run(self._run_all(works))
+        tool_stats = self._sandbox_stats()
+        if tool_stats:  # counted once per rank: on the first generator's figures (the driver adds them up)
+            out[0][0].stats.update(tool_stats)
         lines: Dict[str, str] = {}
         counts: Dict[str, float] = {}
         for back, _ in out:
