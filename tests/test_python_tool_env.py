@@ -191,3 +191,21 @@ def test_a_rank_reaps_what_its_previous_incarnation_left_at_its_start():
         left.kill()
         left.wait(timeout=10)
         reap_leftovers(tag)
+
+
+def test_container_kinds_are_rendered_and_refused_here_naming_the_key_and_the_fix():
+    from hpc_rl.config import ConfigError, load_config
+    from hpc_rl.envs.container_sandbox import render
+
+    for kind in ("apptainer", "enroot"):
+        with pytest.raises(ConfigError) as err:
+            load_config(["+recipe=tiny_python_tool_grpo", f"env.agentic.sandbox.kind={kind}"])
+        text = str(err.value)
+        assert f"env.agentic.sandbox.kind = '{kind}'" in text and "kind=bwrap" in text, text
+        line = render(kind, "/images/tool.sif", ["python3", "-c", "print(1)"], "t:1.0")
+        assert line[-3:] == ["python3", "-c", "print(1)"] and "HPC_RL_SANDBOX=t:1.0" in line, line
+    assert {"--network", "none", "--containall", "--cleanenv"} <= set(render("apptainer", "x.sif", ["true"]))
+    assert render("enroot", "c", ["true"])[:4] == ["unshare", "--user", "--map-current-user", "--net"]
+    # a sandbox section on another environment is read by nobody: refused
+    with pytest.raises(ConfigError, match="env.agentic.sandbox.wall_s"):
+        load_config(["+recipe=tiny_agentic_grpo", "env.agentic.sandbox.wall_s=3"])

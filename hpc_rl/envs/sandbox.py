@@ -31,10 +31,12 @@ Why nothing is left behind, however the caller ends:
   the tool's environment), so a restarted rank with the same tag (job + rank) finds and kills
   what a previous incarnation left (`reap_leftovers`), and a wall-time kill is verified.
 
-Not done yet: cgroup v2 limits (memory.max, pids.max, cpu.max) where the cgroup is
-delegated to the job, which would replace the address-space cap; enroot or Apptainer as the
-sandbox on clusters (rendered and documented); the wiring into environment ranks (the episode
-deadline as `deadline`, tool calls of multi-turn episodes, metrics). bubblewrap 0.8 or newer
+Used by the python_tool environment (hpc_rl/agentic/python_tool.py): its env rank's tool
+calls, the episode's deadline plus a scoring buffer as `deadline`, `reap_leftovers` at the
+rank's start, counts in the metrics. Apptainer and enroot command lines are rendered by
+container_sandbox.py, not run. Not done yet: cgroup v2 limits (memory.max, pids.max,
+cpu.max) where the cgroup is delegated to the job, which would replace the address-space
+cap; running Apptainer or enroot as the sandbox. bubblewrap 0.8 or newer
 is required (tmpfs `--size`, `--disable-userns`): check `bwrap --version` on older
 distributions.
 """
