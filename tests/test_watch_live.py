@@ -205,6 +205,14 @@ def test_the_view_shows_the_episodes_backpressure_and_faults_of_an_agentic_run(t
     assert "     4       16    38%!      4        2            8/8        8      8   1.23   0.012  0.046" in view
     assert ("step 4: errors ValueError 4; timeouts episode_timeout 2; the run ends above 25% failed "
             "(env.agentic.max_error_share)") in view
+    assert "sandboxed tool calls" not in view  # only an environment that sandboxes (python_tool) has them
+    # python_tool's sandboxed calls: counts, kills and seconds per call of the last step
+    with RunDir(tmp_path).metrics.open("a") as f:
+        f.write(json.dumps(dict(AGENTIC_ROW, step=5, agentic=dict(AGENTIC_ROW["agentic"], sandbox_calls=250.0,
+                                                                   sandbox_timeouts=3.0, sandbox_failures=2.0,
+                                                                   sandbox_s_mean=0.2638))) + "\n")
+    view = live.render(tmp_path, "RUNNING", steps=2, now=now)
+    assert "step 5: sandboxed tool calls 250, timed out (killed) 3, failed 2, 0.264 s per call" in view, view
     # a single-turn run has no agentic figures: no such section
     plain = tmp_path / "plain"
     _fake_run(plain, now)
