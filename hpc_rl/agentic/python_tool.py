@@ -198,12 +198,14 @@ class PythonToolEpisode:
         self.episode_timeout_s, self.scoring_buffer_s, self.max_tool_calls = episode_timeout_s, scoring_buffer_s, max_tool_calls
         self.tag = tag
         self.reaped = reap_leftovers(tag)  # before anything of ours runs under the tag
-        if self.reaped:
-            log.info("sandbox %s: killed %d processes an earlier incarnation of this rank left", tag, len(self.reaped))
         limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb << 20, output_bytes=output_bytes)
         self.sandbox = make_sandbox(kind, tag, limits)
         self.start_s = self.sandbox.check()
-        self.tools = SandboxedTools(self.sandbox, workers or max(2, os.cpu_count() or 2))
+        self.workers = workers or max(2, os.cpu_count() or 2)  # more would only share the same cores
+        self.tools = SandboxedTools(self.sandbox, self.workers)
+        # the rank log's evidence that its tools are sandboxed, and of what its predecessor left
+        log.info("python_tool: %s sandboxes tagged %s (one started in %.3f s), %d threads; killed %d processes an "
+                 "earlier incarnation of this rank left", kind, tag, self.start_s, self.workers, len(self.reaped))
 
     async def run(self, task: dict, chat) -> EpisodeResult:
         deadline = time.monotonic() + self.episode_timeout_s + self.scoring_buffer_s
