@@ -170,23 +170,40 @@ def test_a_tool_past_the_episode_deadline_plus_buffer_is_killed_and_counted(stud
         reap_leftovers(tag)
 
 
-def test_a_rank_reaps_what_its_previous_incarnation_left_at_its_start():
-    from hpc_rl.envs.sandbox import Sandbox
+def test_a_rank_reaps_what_its_previous_incarnation_left_at_its_start(tmp_path):
+    """The env rank's EpisodeRunner, built as roles/env.py builds it (a real RankContext; the
+    plan, store and process groups it does not touch at its start left None), tags its
+    sandboxes with its job and rank and kills what an earlier incarnation left under them."""
+    import logging
 
-    tag = sandbox_tag("4242+0", 3)
-    assert tag == "4242+0.env3"
+    from adapted_envs import job_key_set
+
+    from hpc_rl.config import load_config
+    from hpc_rl.envs.sandbox import Sandbox
+    from hpc_rl.rl.inputs import resolve_model_ref
+    from hpc_rl.roles.episode_runner import EpisodeRunner
+    from hpc_rl.runtime.identity import RankIdentity
+    from hpc_rl.runtime.worker import RankContext
+
+    job = f"4242{uuid.uuid4().int % 10000}+0"
+    tag = sandbox_tag(job, 1)
+    assert tag == f"{job}.env1"
     old = Sandbox(tag)
     old.check()
     left = _plant(old, "999999999.0", ["sleep", "1000"])  # a previous incarnation's sandbox
     try:
         _until(lambda: _sleeping_tool(tag), 15, "the leftover running")
-        episode = PythonToolEpisode(tag=tag)  # the env rank's start
+        cfg = load_config(["+recipe=tiny_python_tool_grpo", f"model.path={resolve_model_ref('tiny_agentic:student_calc_200')}"])
+        ident = RankIdentity("env", 1, 2, 3, 4, 0, "local0", 1, job)
+        ctx = RankContext(tmp_path, cfg, None, ident, None, None, "cpu", logging.getLogger("test"), {}, None)
+        with job_key_set():
+            runner = EpisodeRunner(ctx)  # the env rank's start
         try:
-            assert left.pid in episode.reaped, episode.reaped
+            assert runner.episode.tag == tag and left.pid in runner.episode.reaped, runner.episode.reaped
             assert left.wait(timeout=10) < 0
             _until(lambda: find_sandbox_processes(tag) == [], 10, "the leftover's namespace gone")
         finally:
-            episode.shutdown()
+            runner.shutdown()
     finally:
         left.kill()
         left.wait(timeout=10)
