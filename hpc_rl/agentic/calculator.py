@@ -91,10 +91,12 @@ class CalculatorEnv:
         if not calls:
             r = verify_calculator(message.get("content") or "", self.answer)
             return [], True, r.reward, r.correct
-        out = []
-        for i, call in enumerate(calls):
-            out.append({"role": "tool", "content": self._run(call, i), "tool_call_id": call.get("id", "")})
-        return out, False, 0.0, None
+        texts = await self._answer_calls(calls)
+        return [{"role": "tool", "content": t, "tool_call_id": c.get("id", "")} for t, c in zip(texts, calls)], False, 0.0, None
+
+    async def _answer_calls(self, calls: List[dict]) -> List[str]:
+        """The tool messages' texts for one assistant message's calls (in order)."""
+        return [self._run(call, i) for i, call in enumerate(calls)]
 
     def _run(self, call: dict, i: int) -> str:
         if i >= self.max_tool_calls:

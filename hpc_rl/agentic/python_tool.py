@@ -32,9 +32,9 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
-from .calculator import verify_calculator
+from .calculator import CalculatorEnv
 from .contract import EpisodeResult, StepwiseEpisode
 from .tools import call_arguments
 
@@ -133,29 +133,20 @@ def tool_text(res) -> str:
     return out.rstrip("\n")
 
 
-class PythonToolEnv:
+class PythonToolEnv(CalculatorEnv):
     """Step-wise (contract.StepwiseEpisode), one per episode: tool calls run sandboxed until
     `deadline` at the latest; the first message without a tool call is the final answer
-    (scored like the calculator's)."""
+    (scored as the calculator's: CalculatorEnv's reset and final answer)."""
 
     tools = [PYTHON, CALCULATOR]
 
     def __init__(self, tools: SandboxedTools, deadline: float, max_tool_calls: int = 4):
-        self.runner, self.deadline, self.max_tool_calls = tools, deadline, max_tool_calls
-        self.answer: Optional[str] = None
+        super().__init__(max_tool_calls)
+        self.runner, self.deadline = tools, deadline
 
-    async def reset(self, task: dict) -> List[dict]:
-        self.answer = str(task["answer"])
-        return [{"role": "user", "content": task["prompt"]}]
-
-    async def step(self, message: dict) -> Tuple[List[dict], bool, float, Optional[bool]]:
-        calls = message.get("tool_calls") or []
-        if not calls:
-            r = verify_calculator(message.get("content") or "", self.answer)
-            return [], True, r.reward, r.correct
+    async def _answer_calls(self, calls: List[dict]) -> List[str]:
         # the calls of one message run at once: each is bounded by the same deadline
-        texts = await asyncio.gather(*(self._call(call, i) for i, call in enumerate(calls)))
-        return [{"role": "tool", "content": t, "tool_call_id": c.get("id", "")} for t, c in zip(texts, calls)], False, 0.0, None
+        return list(await asyncio.gather(*(self._call(call, i) for i, call in enumerate(calls))))
 
     async def _call(self, call: dict, i: int) -> str:
         if i >= self.max_tool_calls:
