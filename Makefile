@@ -3,9 +3,16 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup system-packages verifiers-env gym-python demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup editable-here system-packages verifiers-env gym-python demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
 
-setup: system-packages $(STAMP)
+setup: system-packages $(STAMP) editable-here
+
+# The stamp says this checkout installed once; a machine whose editable install of hpc_rl points
+# at another checkout (a moved or copied tree) imports that one's code outside the repo root
+# (subprocesses started elsewhere, sbatch scripts): install this checkout again, without deps.
+editable-here: $(STAMP)
+	@cd / && $(PY) -c "import hpc_rl, pathlib, sys; sys.exit(pathlib.Path(hpc_rl.__file__).resolve().parents[1] != pathlib.Path('$(CURDIR)').resolve())" 2>/dev/null \
+	  || { echo "hpc_rl is installed from another checkout: pip install -e . (no deps) here"; $(PY) -m pip install --quiet --no-deps -e "$(CURDIR)"; }
 
 # bubblewrap: the sandbox of code and shell tools (hpc_rl/envs/sandbox.py, tests/test_sandbox.py).
 # Checked on every run (not behind the stamp), so a machine set up before it was needed gets it.
