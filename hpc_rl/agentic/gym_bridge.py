@@ -237,8 +237,8 @@ def preflight(g) -> list:
     if proc.returncode != 0:
         last = " | ".join(ln.strip() for ln in proc.stderr.splitlines()[-3:] if ln.strip()) or f"rc {proc.returncode}"
         return [("env.agentic.gym.python", g.python, f"does not run a Python with nemo-gym: {last[:600]}",
-                 "point env.agentic.gym.python at an interpreter with nemo-gym 0.7.0 (tests/gym_python.sh builds "
-                 ".gym-python/bin/gym-python)")]
+                 "point env.agentic.gym.python at a Python >= 3.13.14 with nemo-gym 0.7.0 installed (on a cluster: "
+                 "the environment nodes' container image; on a test machine, `make gym-python` builds .gym-python)")]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     out = []
     if g.private_network and shutil.which("bwrap") is None:

@@ -52,8 +52,9 @@ def check_gym(out: List[Violation], cfg: RunConfig) -> None:
                              "set env.agentic.gym.dataset to a Gym dataset JSONL (relative to the repository, or absolute)"))
     if not Path(interpreter(g.python)[0]).exists():
         out.append(Violation("env.agentic.gym.python", g.python, f"{interpreter(g.python)[0]} does not exist",
-                             "run tests/gym_python.sh (nemo-gym 0.7.0 under Python 3.13 in .gym-python), or point it "
-                             "at an interpreter that has nemo-gym"))
+                             "point env.agentic.gym.python at a Python >= 3.13.14 with nemo-gym 0.7.0 installed (on a "
+                             "cluster: the environment nodes' container image; on a test machine, `make gym-python` "
+                             "builds .gym-python)"))
 
 
 def check_sandbox(out: List[Violation], cfg: RunConfig) -> None:
