@@ -59,10 +59,13 @@ demo: setup
 
 # Lint (pyflakes rules and the line length, pyproject.toml), the documentation site (strict),
 # then all tests with the local Slurm cluster up (tests marked `slurm` need it).
-test: setup verifiers-env gym-python lint docs cluster-up
+test: setup lint docs verifiers-env gym-python cluster-up
 	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
 
+# A tracked symlink (git stores the link, not its target) once broke CI's fresh clone: a
+# worktree's .venv-verifiers link to another checkout was committed and pointed at itself there.
 lint: setup
+	@git ls-files -s | awk '$$1 == "120000" {print "tracked symlink, remove it with git rm --cached: " $$4; bad = 1} END {exit bad}'
 	$(PY) -m ruff check .
 
 # The documentation site (mkdocs.yml, docs/) into site/ (git-ignored), strict: a broken link
