@@ -3,7 +3,7 @@ PY ?= python3
 STAMP := .setup.stamp
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup editable-here system-packages verifiers-env gym-python demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
+.PHONY: setup editable-here system-packages verifiers-env gym-python env-interpreters demo test test-fast lint docs bench cluster-up cluster-down cluster-status golden clean
 
 setup: system-packages $(STAMP) editable-here
 
@@ -51,6 +51,11 @@ $(VF_VENV)/.stamp: environments/tiny_arith/pyproject.toml environments/tiny_arit
 gym-python:
 	tests/gym_python.sh
 
+# Both at once: each is one process waiting mostly on pip and dpkg, so side by side on two
+# cores they take about the longer one's time instead of the sum (about 7 min on a fresh machine).
+env-interpreters:
+	$(MAKE) -j2 --output-sync=target verifiers-env gym-python
+
 # The main job on its embedded default: multi-teacher on-policy distillation of a tiny
 # student by two tiny teachers, every role a real local process (about 7 minutes here,
 # the tiny models are copied from tiny_assets/ into the cache on first use).
@@ -59,7 +64,7 @@ demo: setup
 
 # Lint (pyflakes rules and the line length, pyproject.toml), the documentation site (strict),
 # then all tests with the local Slurm cluster up (tests marked `slurm` need it).
-test: setup lint docs verifiers-env gym-python cluster-up
+test: setup lint docs env-interpreters cluster-up
 	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
 
 # A tracked symlink (git stores the link, not its target) once broke CI's fresh clone: a
