@@ -40,6 +40,22 @@ def _slowest(log: str, n: int = 10) -> list:
     return [{"seconds": s, "test": t} for s, t in rows[:n]]
 
 
+def _by_file(junit: Path, n: int = 15) -> list:
+    """Seconds per test file (setup, call and teardown together) from pytest's JUnit XML: where
+    the suite's time goes, beyond the slowest single tests."""
+    import collections
+    import xml.etree.ElementTree as ET
+
+    if not junit.exists():
+        return []
+    per, count = collections.Counter(), collections.Counter()
+    for case in ET.parse(junit).iter("testcase"):
+        name = case.get("classname", "").replace(".", "/") + ".py"
+        per[name] += float(case.get("time", 0))
+        count[name] += 1
+    return [{"file": f, "seconds": round(s, 1), "tests": count[f]} for f, s in per.most_common(n)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--burners", type=int, default=1, help="busy processes beside the suite (this machine has 2 cores)")
@@ -51,9 +67,12 @@ def main() -> int:
     loads = []
     t0 = time.time()
     log_path = ROOT / "bench" / "results" / "suite_loaded.log"
+    junit = Path("/tmp") / f"suite_loaded_{os.getpid()}.xml"
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(["make", "test"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env = dict(os.environ, PYTEST_ADDOPTS=f"{os.environ.get('PYTEST_ADDOPTS', '')} --junitxml={junit}".strip())
+            proc = subprocess.Popen(["make", "test"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, env=env)
             next_load = 0.0
             for line in proc.stdout:
                 log.write(line)
@@ -71,7 +90,7 @@ def main() -> int:
     record = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "burners": args.burners,
               "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
               "rc": rc, "wall_s": round(wall, 1), "goal_s": GOAL_S, "under_goal": wall < GOAL_S,
-              "pytest": closing[-1] if closing else None, "slowest": _slowest(text),
+              "pytest": closing[-1] if closing else None, "slowest": _slowest(text), "by_file": _by_file(junit),
               "load_avg_1min": {"min": min(loads), "max": max(loads), "mean": sum(loads) / len(loads)} if loads else None}
     runs = json.loads(OUT.read_text()) if OUT.exists() else []
     runs.append(record)

@@ -259,6 +259,8 @@ def test_no_user_namespaces_is_a_clear_error():
     code = ("from hpc_rl.envs.sandbox import Sandbox, SandboxUnavailable\n"
             "try:\n    Sandbox('t.r0').check()\nexcept SandboxUnavailable as e:\n    print('UNAVAILABLE', e)\n")
     res = subprocess.run(["bwrap", "--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns", "--ro-bind", "/", "/",
-                          "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--setenv", "PYTHONPATH", str(REPO_ROOT),
+                          "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                          # the checkout again, in case it lives under /tmp (a clone there hid it: ModuleNotFoundError)
+                          "--ro-bind", str(REPO_ROOT), str(REPO_ROOT), "--setenv", "PYTHONPATH", str(REPO_ROOT),
                           "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "UNAVAILABLE" in res.stdout and "user namespaces" in res.stdout, (res.stdout, res.stderr)
