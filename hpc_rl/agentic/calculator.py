@@ -20,17 +20,9 @@ import re
 from fractions import Fraction
 from typing import List, Optional, Tuple
 
-from .tools import call_arguments
+from .tools import call_arguments, function_tool
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Compute `a op b` for two integers a and b, op one of + - * /.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 37*58"}},
-                       "required": ["expression"]},
-    },
-}
+TOOL = function_tool("calculator", "Compute `a op b` for two integers a and b, op one of + - * /.", "expression", "e.g. 37*58")
 MAX_DIGITS = 12  # per operand: bounds the work (and the answer's length) of one call
 _EXPR = re.compile(r"\s*([-+]?\d{1,%d})\s*([-+*/x\u00d7])\s*([-+]?\d{1,%d})\s*" % (MAX_DIGITS, MAX_DIGITS))
 _INT = re.compile(r"\s*[-+]?\d+\s*")

@@ -36,28 +36,14 @@ from typing import Dict, List, Optional
 
 from .calculator import CalculatorEnv
 from .contract import EpisodeResult, StepwiseEpisode
-from .tools import call_arguments
+from .tools import call_arguments, function_tool
 
 log = logging.getLogger(__name__)
 
-PYTHON = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run a Python 3 program in a sandbox (no network, only /tmp writable); returns what it printed.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "e.g. print(37*58)"}},
-                       "required": ["code"]},
-    },
-}
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate one Python expression in a sandbox and return its value.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 37*58"}},
-                       "required": ["expression"]},
-    },
-}
+PYTHON = function_tool("python", "Run a Python 3 program in a sandbox (no network, only /tmp writable); returns what it printed.",
+                       "code", "e.g. print(37*58)")
+CALCULATOR = function_tool("calculator", "Evaluate one Python expression in a sandbox and return its value.", "expression",
+                           "e.g. 37*58")
 _PRINT_ARG = "import sys; print(eval(sys.argv[1]))"  # the expression travels as an argument, never spliced into code
 KINDS = ("bwrap", "apptainer", "enroot")
 

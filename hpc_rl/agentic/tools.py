@@ -54,3 +54,12 @@ def call_arguments(call: dict) -> Optional[dict]:
     except (TypeError, ValueError):
         return None
     return args if isinstance(args, dict) else None
+
+
+def function_tool(name: str, description: str, arg: str, example: str) -> dict:
+    """An OpenAI function-tool schema taking one required string argument `arg`: the shape
+    every tool of this package has (calculator, python)."""
+    return {"type": "function",
+            "function": {"name": name, "description": description,
+                         "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": example}},
+                                        "required": [arg]}}}
