@@ -4,14 +4,18 @@ inference-only teachers and an env rank, as local processes and as Slurm het job
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from hpc_rl.rundir import RunDir
 from hpc_rl.slurm.executor import job_from_run_dir
 import neighbour
 from slow_train_step import check_slow_train_step_was_waited_for
@@ -79,28 +83,106 @@ def test_tiny_mopd_three_steps_locally(tiny_mopd_three_steps):
         assert "setup done" in (run / "logs" / f"{log}.0.out").read_text()
 
 
+STALL_S = 120  # trainer:0 holds step 3 at most this long (the test releases it once it has watched the live job)
+ROLES = ["trainer", "generator", "teacher/add", "teacher/mul", "env"]
+
+
+def _watch(run: Path, *args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.slurm.watch", str(run), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _watch_the_stalled_job(run: Path, env) -> None:
+    """`hpc_rl.slurm.watch` on the running job while trainer:0 stalls at the start of step 3
+    (everyone else waits for it), then followed to the end."""
+    deadline = time.monotonic() + 400
+    steps = []
+    while time.monotonic() < deadline:
+        steps = [r["step"] for r in _steps(run) if r["kind"] == "step"] if RunDir(run).metrics.exists() else []
+        if 2 in steps or RunDir(run).finished.exists():
+            break
+        time.sleep(0.5)
+    assert steps == [1, 2], f"the job did not reach step 2 in time (steps {steps})"
+    now = run / "timing" / "trainer.0.0.now.json"  # trainer:0's current phase (observe/timing.py)
+
+    def stalled():
+        try:
+            cur = json.loads(now.read_text())
+        except (OSError, ValueError):  # not yet written, or being replaced
+            return False
+        return (cur.get("phase"), cur.get("step")) == ("start", 3)
+
+    while not stalled() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stalled(), f"trainer:0 never showed its stall at step 3: {now.read_text() if now.exists() else 'no file'}"
+    snap = _watch(run, "--once", env=env)
+    assert snap.returncode == 0, snap.stderr
+    view = snap.stdout
+    assert re.search(r"job \d+ RUNNING \((sacct|squeue|sacct\+squeue)\): trainer=RUNNING", view), view
+    # key metrics of the steps done so far: step time, reverse KL, reward, mismatch
+    assert re.search(r"^\s+2\s+\d+\.\d\d\s+\d\.\d{4}\s+\d\.\d{3}\s+\d\.\d{5}", view, re.M), view
+    # a phase per role (the trainer's two ranks), and the stalled trainer rank seen in its step
+    for role in ROLES:
+        ranks = 2 if role == "trainer" else 1
+        assert re.search(rf"^{re.escape(role)}\s+{ranks}\s+\w+@[23] x\d", view, re.M), (role, view)
+    # trainer:0 held in its step's start by the stall
+    assert re.search(r"^trainer\s+2\s+(\w+@[23] x1\s+)?start@3 x1", view, re.M), view
+    # the slowest rank of each role, for each finished step
+    assert "slowest rank per role" in view
+    for role in ROLES:
+        assert re.search(rf"^(step [12] +| +){re.escape(role)}\s+{re.escape(role)}:\d\s+\d+\.\d\d \(", view, re.M), \
+            (role, view)
+    RunDir(run).stall_release.touch()  # the snapshot is taken: the stall has served (hpc_rl/runtime/faults.py)
+    follow = _watch(run, "--poll", "1", env=env, timeout=600)  # to the end
+    assert follow.returncode == 0, follow.stdout[-3000:] + follow.stderr[-3000:]
+    final = follow.stdout
+    assert re.search(r"job \d+ COMPLETED", final) and "2/2 ranks succeeded" in final
+    assert "slowest rank per role" in final[final.rindex("summary:"):]  # the run's summary follows
+    last_view = final[final.rindex(f"{run}: "):]
+    assert re.search(r"^\s+4\s+\d+\.\d\d", last_view, re.M), last_view
+    for role in ROLES:
+        ranks = 2 if role == "trainer" else 1
+        assert re.search(rf"^{re.escape(role)}\s+{ranks}\s+done x{ranks}", last_view, re.M), (role, last_view)
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes(local_slurm, tmp_path):
+def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes_watched_live(local_slurm, tmp_path):
     """Also issue 29's attack test: while the job runs, a process that is not one of its ranks
     (tests/neighbour.py) reaches its store without the job's secret and forges (a) a pickle
     that would create a file, under the refit keys the ranks wait on, (b) abort verdicts,
     (c) rank registrations. The run must finish as usual, nothing unpickled, every forged
-    value a rank read counted in summary.json."""
+    value a rank read counted in summary.json. And the live view of the running job
+    (`python -m hpc_rl.slurm.watch`): trainer:0 stalls at the start of step 3 (a real
+    straggler of the real job) until the test has watched it."""
     run, marker = tmp_path / "run", tmp_path / "pwned"
     out, err = tmp_path / "launch.out", tmp_path / "launch.err"
     args = [sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", "cluster=local_slurm", "launcher=slurm",
-            "launcher.wait=true", "trainer.nodes=2", "run.max_steps=2", f"run.dir={run}", *SMALL]
+            "launcher.wait=true", "trainer.nodes=2", "run.max_steps=4", f"run.dir={run}", *SMALL,
+            f"ft.inject_failure=trainer:0:stall{STALL_S}@3"]
+    forged = {}
+
+    def neighbour_attacks():
+        try:
+            # 6 ranks; the refit group: 2 trainer ranks + the engine's one worker; 4 refits
+            forged.update(neighbour.attack(run, proc, marker, world=6, refit_world=3, refits=4))
+        except AssertionError as exc:
+            forged["error"] = str(exc)
+
     with out.open("w") as fo, err.open("w") as fe:
         proc = subprocess.Popen(args, stdout=fo, stderr=fe, text=True)
+        attacker = threading.Thread(target=neighbour_attacks, daemon=True)
+        attacker.start()
         try:
-            # 6 ranks; the refit group: 2 trainer ranks + the engine's one worker; 2 refits
-            forged = neighbour.attack(run, proc, marker, world=6, refit_world=3, refits=2)
+            _watch_the_stalled_job(run, local_slurm.env())
             proc.wait(timeout=900)
         finally:
             if proc.poll() is None:
+                _watch(run, "--cancel", env=local_slurm.env())
                 proc.kill()
+        attacker.join(timeout=120)
     assert proc.returncode == 0, out.read_text()[-3000:] + err.read_text()[-3000:]
+    assert "error" not in forged, forged
     # (b) no rank acted on a forged verdict: the first attempt ran to the end (a verdict
     # accepted aborts it, and the batch shell's requeue would hide that behind rc 0)
     errors = sorted(p.name for p in (run / "errors").glob("*")) if (run / "errors").exists() else []
@@ -109,19 +191,19 @@ def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes(local_slurm, tm
     job = job_from_run_dir(run)
     roles = [r["role"] for r in job.results()]
     assert roles == ["trainer", "trainer", "generator", "teacher/add", "teacher/mul", "env"]
-    assert all(r["steps"] == 2 for r in job.results())
-    _check_rollouts(run, 2, {"add_agent": "add", "mul_agent": "mul"})
+    assert all(r["steps"] == 4 for r in job.results())
+    _check_rollouts(run, 4, {"add_agent": "add", "mul_agent": "mul"})
     assert "student" in (run / "logs" / "trainer.0.out").read_text() and "fsdp2 over 2 ranks" in (run / "logs" / "trainer.0.out").read_text()
     # the neighbour found the job's real store from public facts
     host, port = forged["address"]
     assert f"rendezvous at {host}:{port} " in (run / "logs" / "trainer.0.out").read_text()
     # (a) never unpickled; (c) only the job's ranks joined (the roles above, all from restart 0)
-    assert len(forged["ready_planted"]) == 6 and not marker.exists()
+    assert len(forged["ready_planted"]) == 3 * 4 and not marker.exists()
     kinds, by_role = summary["auth_rejected_by_kind"], summary["auth_rejected_by_role"]
     # every rank's heartbeat read the forged verdict at least once; the generator read the
-    # forged readiness of both refits while the trainers trained
-    assert kinds.get("hb/*/abort", 0) >= 6 and kinds.get("refit/*/ready/*/*", 0) >= 2, summary
-    assert all(by_role[r] >= 1 for r in ("trainer", "generator", "teacher/add", "teacher/mul", "env")), by_role
+    # forged readiness of every refit while the trainers trained
+    assert kinds.get("hb/*/abort", 0) >= 6 and kinds.get("refit/*/ready/*/*", 0) >= 4, summary
+    assert all(by_role[r] >= 1 for r in ROLES), by_role
     if len(forged["rdzv_landed"]) >= 2:  # (c) landed before those ranks announced themselves: the ranks
         # already waiting (told by the bumped counter to look) read them until the owners overwrote them
         assert kinds.get("rdzv/*/*", 0) >= 1, summary

@@ -1,5 +1,6 @@
-"""Per-rank phase timing (hpc_rl/observe/timing.py), the live view (observe/live.py,
-`python -m hpc_rl.slurm.watch`), and a live job on the local Slurm cluster watched while it runs."""
+"""Per-rank phase timing (hpc_rl/observe/timing.py) and the live view (observe/live.py,
+`python -m hpc_rl.slurm.watch`). A live job on the local Slurm cluster, watched while it
+runs, is the het job of tests/test_rl_loop.py."""
 
 from __future__ import annotations
 
@@ -293,77 +294,5 @@ def test_the_watchdog_names_the_rank_at_work_not_those_waiting_for_it():
     assert _verdict({0: "setup", 1: "wait", 2: "wait"}) is None
 
 
-# ---------------------------------------------------------- a job in progress on local Slurm
-SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
-         "data.eval_prompts_per_task=8"]
-STALL_S = 120  # trainer:0 holds step 3 at most this long (the test releases it once it has watched the live job)
-
-
-def _watch(run: Path, *args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hpc_rl.slurm.watch", str(run), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_watch_shows_live_metrics_phases_and_stragglers_of_a_running_slurm_job(local_slurm, tmp_path):
-    import re
-
-    run = tmp_path / "run"
-    roles = ["trainer", "generator", "teacher/add", "teacher/mul", "env"]
-    # a real stall of the real job: trainer:0 sleeps at the start of step 3, everyone else waits for it
-    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", "cluster=local_slurm",
-                           "launcher=slurm", "run.max_steps=4", f"run.dir={run}", *SMALL,
-                           f"ft.inject_failure=trainer:0:stall{STALL_S}@3"],
-                          capture_output=True, text=True, timeout=300, env=local_slurm.env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    try:
-        deadline = time.monotonic() + 400
-        steps = []
-        while time.monotonic() < deadline:
-            rows = [json.loads(x) for x in RunDir(run).metrics.read_text().splitlines()] \
-                if RunDir(run).metrics.exists() else []
-            steps = [r["step"] for r in rows if r["kind"] == "step"]
-            if 2 in steps or RunDir(run).finished.exists():
-                break
-            time.sleep(0.5)
-        assert steps == [1, 2], f"the job did not reach step 2 in time (steps {steps})"
-        snap = _watch(run, "--once", env=local_slurm.env())
-        assert snap.returncode == 0, snap.stderr
-        view = snap.stdout
-        assert re.search(r"job \d+ RUNNING \((sacct|squeue|sacct\+squeue)\): trainer=RUNNING", view), view
-        # key metrics of the steps done so far: step time, reverse KL, reward, mismatch
-        assert re.search(r"^\s+2\s+\d+\.\d\d\s+\d\.\d{4}\s+\d\.\d{3}\s+\d\.\d{5}", view, re.M), view
-        # a phase per role, and the stalled trainer rank seen in its step
-        for role in roles:
-            assert re.search(rf"^{re.escape(role)}\s+1\s+\w+@[23] x1", view, re.M), (role, view)
-        assert re.search(r"trainer:0 start for \d+\.\ds", view), view
-        # the slowest rank of each role, for each finished step
-        assert "slowest rank per role" in view
-        for role in roles:
-            assert re.search(rf"^(step [12] +| +){re.escape(role)}\s+{re.escape(role)}:0\s+\d+\.\d\d \(", view, re.M), \
-                (role, view)
-
-        released_at = time.time()  # the snapshot is taken: the stall has served (hpc_rl/runtime/faults.py)
-        RunDir(run).stall_release.touch()
-        follow = _watch(run, "--poll", "1", env=local_slurm.env(), timeout=600)  # to the end
-        assert follow.returncode == 0, follow.stdout[-3000:] + follow.stderr[-3000:]
-        final = follow.stdout
-        assert re.search(r"job \d+ COMPLETED", final) and "1/1 ranks succeeded" in final
-        assert "slowest rank per role" in final[final.rindex("summary:"):]  # the run's summary follows
-        last_view = final[final.rindex(f"{run}: "):]
-        assert re.search(r"^\s+4\s+\d+\.\d\d", last_view, re.M), last_view
-        for role in roles:
-            assert re.search(rf"^{re.escape(role)}\s+1\s+done x1", last_view, re.M), (role, last_view)
-    finally:
-        if not RunDir(run).finished.exists():
-            _watch(run, "--cancel", env=local_slurm.env())
-    summary = json.loads(RunDir(run).summary.read_text())
-    assert set(summary["slowest_ranks"]) == set(roles)
-    # the stall is trainer:0's own time, in its step 3's start phase, until the test released it
-    steps = [json.loads(x) for x in RunDir(run).step_timing("trainer", 0, 0).read_text().splitlines()]
-    t3 = steps[2]
-    stalled = re.search(r"injected stall released after (\d+\.\d)s", (run / "logs" / "trainer.0.out").read_text())
-    assert stalled, "the stall was not released by the test"
-    # the whole stall is accounted in step 3's start phase (the log rounds to 0.1 s)
-    assert t3["step"] == 3 and t3["end"] >= released_at and t3["phases"]["start"] >= float(stalled.group(1)) - 0.05, t3
+# The live view of a running job on local Slurm is checked on the het job that
+# tests/test_rl_loop.py launches anyway (issue #30: one launch, both checks).
