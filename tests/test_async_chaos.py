@@ -1,5 +1,5 @@
 """The chaos drills with asynchronous rollouts on (#15), on the local Slurm cluster: USR1
-before the time limit and a killed generator. The run must finish with the weights of the
+before the time limit, then a killed generator, in one job. The run must finish with the weights of the
 uninterrupted async run, every step's samples exactly those of that run (nothing lost,
 nothing sampled twice) and no sample trained beyond the age bound."""
 
@@ -41,29 +41,19 @@ def reference(local_slurm, tmp_path_factory):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_usr1_with_async_rollouts_resumes_from_the_saved_buffer_and_matches(local_slurm, reference, tmp_path):
+def test_usr1_then_a_killed_generator_with_async_rollouts_resume_and_match(local_slurm, reference, tmp_path):
+    """Two drills in one job (chaos.usr1_then): USR1 on attempt 0, the generator killed on
+    attempt 1."""
     ref_run, ref = reference
     run = tmp_path / "run"
-    res = chaos.usr1_mid_run(run, RUN, after_steps=2)
+    # SIGKILL of the generator on attempt 1 when step 6's order reaches it (sent during step 5)
+    res = chaos.usr1_then(run, RUN, after_steps=2, inject="generator:0:kill@6")
     assert res.finished, res
-    # stopped after step 3 with step 4 sampled ahead: the buffer held it through the requeue
+    # USR1: stopped after step 3 with step 4 sampled ahead: the buffer held it through the
+    # requeue, attempt 1 resumed at step 3 with nothing recomputed; the kill: attempt 2
+    # recomputes from the step-4 checkpoint
     assert res.events["checkpoint_saved"] and res.events["stopped_after_step"] == 3
-    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts] == [(1, 3, 0)]
-    assert res.summary["final_weights_sha256"] == ref.summary["final_weights_sha256"]
-    _same_samples_within_the_bound(run, ref_run)
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_killed_generator_with_async_rollouts_recomputes_from_the_checkpoint_and_matches(local_slurm, reference,
-                                                                                         tmp_path):
-    ref_run, ref = reference
-    run = tmp_path / "run"
-    t0 = chaos.time.monotonic()
-    # SIGKILL of the generator when step 4's order reaches it (sent during step 3)
-    job = chaos.launch(run, [*RUN, "ft.inject_failure=generator:0:kill@4"])
-    res = chaos.result(run, job, chaos.follow(run, job), t0)
-    assert res.finished, res
-    assert [(r["restart"], r["resumed_from_step"]) for r in res.restarts] == [(1, 2)]
+    assert [(r["restart"], r["resumed_from_step"], r["steps_recomputed"]) for r in res.restarts][0] == (1, 3, 0)
+    assert [(r["restart"], r["resumed_from_step"]) for r in res.restarts][1:] == [(2, 4)]
     assert res.summary["final_weights_sha256"] == ref.summary["final_weights_sha256"]
     _same_samples_within_the_bound(run, ref_run)

@@ -34,18 +34,24 @@ def reference(local_slurm, tmp_path_factory):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_usr1_saves_requeues_resumes_and_matches_the_uninterrupted_weights(local_slurm, reference, tmp_path):
+def test_usr1_then_an_external_requeue_each_resume_where_they_should_and_match_the_uninterrupted_weights(
+        local_slurm, reference, tmp_path):
+    """Two drills in one job (chaos.usr1_then): USR1 on attempt 0, `scontrol requeue` from
+    outside on attempt 1."""
     run = tmp_path / "run"
-    res = chaos.usr1_mid_run(run, RUN, after_steps=2)
+    res = chaos.usr1_then(run, RUN, after_steps=2, requeue_after=5)
     assert res.finished, res
-    # the signal lands inside step 3 (the drill stalls it): the ranks finish it and save it,
-    # though step 3 is no periodic checkpoint (every 2), then stop
+    # USR1: the signal lands inside step 3 (the drill stalls it): the ranks finish it and save
+    # it, though step 3 is no periodic checkpoint (every 2), then stop; attempt 1 resumes
+    # exactly there, no step computed twice
     assert res.events["checkpoint_saved"] and res.events["stopped_after_step"] == 3
-    # resumed exactly where it stopped: no step computed twice
-    assert _resumes(res) == [(1, res.events["stopped_after_step"], 0)]
-    assert res.summary["restarts"] == 1 and res.summary["steps"] == 6
+    # the requeue lands inside step 6 (stalled) on attempt 1: attempt 2 resumes from the
+    # step-4 checkpoint and recomputes step 5 (step 6 never finished)
+    assert res.events["requeued_after_steps"] == 5
+    assert _resumes(res) == [(1, res.events["stopped_after_step"], 0), (2, 4, 1)]
+    assert res.summary["restarts"] == 2 and res.summary["steps"] == 6
     assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
-    assert (run / "logs" / "trainer.1.out").exists()  # logs carry the restart count
+    assert all((run / "logs" / f"trainer.{k}.out").exists() for k in (1, 2))  # logs carry the restart count
 
 
 @pytest.mark.slurm
@@ -83,18 +89,6 @@ def test_killed_generator_requeues_recomputes_the_lost_step_and_matches(local_sl
     # every rank of the attempt read the forged verdict; the generator read forged readiness
     assert kinds.get("hb/*/abort", 0) >= 3 and kinds.get("refit/*/ready/*/*", 0) >= 1, res.summary
     assert res.summary["restarts"] == 1  # the forged verdict caused no second requeue
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_external_requeue_mid_step_resumes_from_the_last_checkpoint_and_matches(local_slurm, reference, tmp_path):
-    run = tmp_path / "run"
-    # `scontrol requeue` from outside during step 4: resumes from the step-2 checkpoint and
-    # recomputes step 3 (step 4 never finished)
-    res = chaos.external_requeue(run, RUN, after_steps=3)
-    assert res.finished, res
-    assert _resumes(res) == [(1, 2, 1)]
-    assert res.summary["final_weights_sha256"] == reference.summary["final_weights_sha256"]
 
 
 @pytest.mark.slurm

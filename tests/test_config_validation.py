@@ -91,11 +91,21 @@ def test_valid_overrides_compose():
 
 
 def test_injection_specs_parse():
-    from hpc_rl.runtime.faults import Injection, parse_injection
+    from hpc_rl.runtime.faults import Injection, parse_injection, parse_injections
 
     assert parse_injection("trainer:0:stall12@4") == Injection("trainer", 0, "stall", 12, 4)
     assert parse_injection("teacher/general:1:kill@save4") == Injection("teacher/general", 1, "kill", 0, "save4")
     assert parse_injection("generator:0") == Injection("generator", 0, "raise", 0, None)
+    # several in one job, each on its attempt (the chaos drills that share a job)
+    assert parse_injections("trainer:0:stall60@3+teacher/general:1:kill@6/restart1") == [
+        Injection("trainer", 0, "stall", 60, 3, 0), Injection("teacher/general", 1, "kill", 0, 6, 1)]
+    for bad in ("trainer:0@3+trainer:0@3", "trainer:0/restartx", "trainer:0+"):
+        with pytest.raises(ValueError):
+            parse_injections(bad)
+    with pytest.raises(ConfigError) as info:
+        load_config(["+recipe=tiny_grpo", "ft.inject_failure=trainer:0@3+teacher:0@4/restart1"])
+    assert [v.key for v in info.value.violations] == ["ft.inject_failure"]
+    assert "several joined by '+'" in info.value.violations[0].problem
 
 
 def test_strict_routing_needs_no_default():

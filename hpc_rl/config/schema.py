@@ -343,7 +343,8 @@ class FaultConfig(Traced):
     # "<role>:<rank>[:<how>]", e.g. "generator:0" or "teacher/general:0:freeze". how: raise
     # (default, at start-up), freeze (SIGSTOP itself: a hung node, only heartbeats see it),
     # kill (SIGKILL itself), hang (blocks, beating), stall<N> (sleeps N s: a straggler), each
-    # optionally at a step: "generator:0:kill@3". See hpc_rl/runtime/faults.py.
+    # optionally at a step: "generator:0:kill@3", on restart 0 unless "/restart<N>" follows;
+    # several join with "+". See hpc_rl/runtime/faults.py.
     inject_failure: Optional[str] = None
     heartbeat_interval_s: float = 1.0  # seconds between a rank's beats through the rendezvous store
     # Dead ranks: a rank whose beats stop for this many seconds is dead and every other rank exits

@@ -323,21 +323,21 @@ def check_launch(out: List[Violation], cfg: RunConfig) -> None:
         out.append(Violation("run.rendezvous_timeout_s", cfg.run.rendezvous_timeout_s, "must be >= 1", "e.g. run.rendezvous_timeout_s=300"))
     spec = cfg.ft.inject_failure
     if spec is not None:
-        from hpc_rl.runtime.faults import parse_injection
+        from hpc_rl.runtime.faults import FORMAT, parse_injections
 
         names = [name for name, _, _ in role_sections(cfg)]
         try:
-            inj = parse_injection(spec)
-            bad = inj.role not in names
-            if isinstance(inj.step, str) and inj.step.startswith("train") and inj.role != "trainer":
-                out.append(Violation("ft.inject_failure", spec, "@train<step> fires in the trainer's train phase: "
-                                     "only trainer ranks have one", f"e.g. ft.inject_failure=trainer:0:stall20@{inj.step}"))
+            injections = parse_injections(spec)
+            bad = any(inj.role not in names for inj in injections)
+            for inj in injections:
+                if isinstance(inj.step, str) and inj.step.startswith("train") and inj.role != "trainer":
+                    out.append(Violation("ft.inject_failure", spec, "@train<step> fires in the trainer's train phase: "
+                                         "only trainer ranks have one", f"e.g. ft.inject_failure=trainer:0:stall20@{inj.step}"))
         except ValueError:
             bad = True
         if bad:
             out.append(Violation("ft.inject_failure", spec,
-                                 "must be <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@train<step>|@save<step>] "
-                                 "naming a role of this job",
+                                 f"must be {FORMAT}, several joined by '+', each naming a role of this job",
                                  f"roles: {names}, e.g. ft.inject_failure={names[min(1, len(names) - 1)]}:0"))
     ft = cfg.ft
     if ft.heartbeat_timeout_s < 0 or (ft.heartbeat_timeout_s > 0 and ft.heartbeat_interval_s <= 0):

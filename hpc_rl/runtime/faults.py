@@ -11,7 +11,9 @@ start of that training step; with @train<N> (trainer ranks), inside step N's tra
 after its batch is collected and before the forward and backward passes (a train step that
 outlasts the refit deadline); with @save<N>, inside the checkpoint save of step N, after the
 shards are written and before the save is published. It fires on the first run only (restart 0), so a requeued
-job recovers instead of failing again.
+job recovers instead of failing again; with a /restart<N> suffix it fires on attempt N instead.
+Several injections join with "+" ("trainer:0:stall60@3+generator:0:kill@6/restart1"): one
+job then goes through several interruptions in turn (the chaos drills share a job so).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 _HOW = re.compile(r"raise|freeze|kill|hang|stall(\d+)")
+_RESTART = re.compile(r"(.+)/restart(\d+)")
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,25 @@ class Injection:
     how: str = "raise"
     stall_s: int = 0  # how == "stall": seconds the rank sleeps
     step: Union[None, int, str] = None  # a training step, "train<N>" (its train phase) or "save<N>" (its save)
+    restart: int = 0  # the attempt it fires on
+
+
+FORMAT = "<role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@train<step>|@save<step>][/restart<N>]"
+
+
+def parse_injections(spec: str) -> List[Injection]:
+    """Every injection of `spec` ("+"-joined); raises ValueError saying what is wrong."""
+    out = [parse_injection(part) for part in spec.split("+")]
+    seen = {(i.role, i.rank, i.step, i.restart) for i in out}
+    if len(seen) != len(out):
+        raise ValueError(f"{spec}: two injections at the same rank, place and restart")
+    return out
 
 
 def parse_injection(spec: str) -> Injection:
-    """Raises ValueError saying what is wrong."""
+    """One injection; raises ValueError saying what is wrong."""
+    m = _RESTART.fullmatch(spec)  # role names hold "/" too (teacher/general): only a trailing /restart<N>
+    spec, restart = (m.group(1), int(m.group(2))) if m else (spec, 0)
     body, _, step = spec.partition("@")
     parts = body.split(":")
     how, stall_s = "raise", 0
@@ -45,7 +63,7 @@ def parse_injection(spec: str) -> Injection:
         parts.pop()
         how, stall_s = ("stall", int(m.group(1))) if m.group(1) else (m.group(0), 0)
     if len(parts) < 2 or not parts[-1].isdigit():
-        raise ValueError("expected <role>:<rank>[:raise|freeze|kill|hang|stall<seconds>][@step|@train<step>|@save<step>]")
+        raise ValueError(f"expected {FORMAT}")
     at: Union[None, int, str] = None
     if step:
         if step.isdigit():
@@ -54,15 +72,18 @@ def parse_injection(spec: str) -> Injection:
             at = step
         else:
             raise ValueError(f"@{step}: expected a step number, train<step> or save<step>")
-    return Injection(":".join(parts[:-1]), int(parts[-1]), how, stall_s, at)
+    return Injection(":".join(parts[:-1]), int(parts[-1]), how, stall_s, at, restart)
 
 
 def maybe_inject(spec: Optional[str], role: str, role_rank: int, restart: int, step: Union[None, int, str] = None) -> None:
-    if not spec or restart > 0:
+    if not spec:
         return
-    inj = parse_injection(spec)
-    if inj.role != role or inj.rank != role_rank or inj.step != step:
-        return
+    for inj in parse_injections(spec):
+        if (inj.role, inj.rank, inj.step, inj.restart) == (role, role_rank, step, restart):
+            _fire(inj, spec, role, role_rank, step)
+
+
+def _fire(inj: Injection, spec: str, role: str, role_rank: int, step: Union[None, int, str]) -> None:
     where = f"{role}:{role_rank}" + (f" at step {step}" if step is not None else "")
     if inj.how == "kill":
         print(f"hpc_rl: injected failure: SIGKILL on {where} (ft.inject_failure={spec})", flush=True)

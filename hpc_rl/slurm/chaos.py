@@ -76,11 +76,15 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: floa
     return time.monotonic() - t0
 
 
-def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = True) -> str:
-    """Until the job leaves the queue for good; releases requeue holds on the way."""
+def follow(run_dir: Path, job_id: str, timeout_s: float = 900, release: bool = True,
+           until: Optional[Callable[[], bool]] = None) -> str:
+    """Until the job leaves the queue for good, or until `until()` holds ("UNTIL": the job
+    goes on); releases requeue holds on the way."""
     t0 = time.monotonic()
     held_since: Optional[float] = None
     while time.monotonic() - t0 < timeout_s:
+        if until is not None and until():
+            return "UNTIL"
         st = squeue_state(job_id)
         if st is None:
             exit_path = RunDir(run_dir).job_exit
@@ -145,6 +149,39 @@ def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, time
     and resumes."""
     t0 = time.monotonic()
     job = launch_stalled(run_dir, overrides, after_steps, timeout_s)
+    events = _usr1(run_dir, job)
+    return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
+
+
+def usr1_then(run_dir: Path, overrides: Sequence[str], after_steps: int, requeue_after: Optional[int] = None,
+              inject: Optional[str] = None, timeout_s: float = 900) -> DrillResult:
+    """Two interruptions of one job, one per attempt (a drill's time is mostly its job's
+    start-up, so the drills share jobs): USR1 on attempt 0 as `usr1_mid_run`, then on
+    attempt 1 `scontrol requeue` from outside once `requeue_after` steps are done (inside
+    the next, stalled: as `external_requeue`) and/or the injection `inject` (e.g.
+    "generator:0:kill@6"), which fires on attempt 1."""
+    t0 = time.monotonic()
+    later = ([f"trainer:0:stall{STALL_S}@{requeue_after + 1}"] if requeue_after is not None else []) + \
+        ([inject] if inject else [])
+    spec = "+".join([f"trainer:0:stall{STALL_S}@{after_steps + 1}", *(f"{x}/restart1" for x in later)])
+    job = launch(run_dir, [*overrides, f"ft.inject_failure={spec}"])
+    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
+             explain=lambda: explain(run_dir, job))
+    events = _usr1(run_dir, job)
+    # attempt 0 has stopped: attempt 1's stall must hold until its own interruption
+    RunDir(run_dir).stall_release.unlink(missing_ok=True)
+    if requeue_after is not None:
+        state = follow(run_dir, job, timeout_s, until=lambda: steps_done(run_dir) >= requeue_after)
+        if state != "UNTIL":  # attempt 1 ended before the requeue was due: the drill says how
+            return result(run_dir, job, state, t0, events)
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+        events["requeued_after_steps"] = steps_done(run_dir)
+    return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
+
+
+def _usr1(run_dir: Path, job: str) -> dict:
+    """USR1 to the batch shell of `job` (its trainer:0 stalled inside a step); returns once
+    the ranks have saved and stopped, with what was measured."""
     t_sig = time.time()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
     rd = RunDir(run_dir)
@@ -156,10 +193,8 @@ def usr1_mid_run(run_dir: Path, overrides: Sequence[str], after_steps: int, time
     wait_for(stopped.exists, 300, "the ranks to save and stop", explain=lambda: explain(run_dir, job))
     saved = json.loads(stopped.read_text())
     # signal -> checkpoint includes the rest of the (stalled) step; the save alone is save_s
-    events = {"usr1_to_checkpoint_s": saved["time"] - t_sig, "save_s": saved.get("save_s"),
-              "stopped_after_step": saved["step"],
-              "checkpoint_saved": saved["saved"], "stall_s": STALL_S}
-    return result(run_dir, job, follow(run_dir, job, timeout_s), t0, events)
+    return {"usr1_to_checkpoint_s": saved["time"] - t_sig, "save_s": saved.get("save_s"),
+            "stopped_after_step": saved["step"], "checkpoint_saved": saved["saved"], "stall_s": STALL_S}
 
 
 def external_requeue(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float = 900) -> DrillResult:
