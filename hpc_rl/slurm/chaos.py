@@ -130,14 +130,21 @@ def uninterrupted(run_dir: Path, overrides: Sequence[str], timeout_s: float = 90
 STALL_S = 60
 
 
-def stalled_after(overrides: Sequence[str], after_steps: int) -> List[str]:
-    return [*overrides, f"ft.inject_failure=trainer:0:stall{STALL_S}@{after_steps + 1}"]
+def stalled(after_steps: int) -> str:
+    """The injection that holds trainer rank 0 at the start of step `after_steps` + 1."""
+    return f"trainer:0:stall{STALL_S}@{after_steps + 1}"
 
 
-def launch_stalled(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float) -> str:
-    """Submit with the stall injected; returns the job id once `after_steps` steps are
-    recorded (the next step is then stalled)."""
-    job = launch(run_dir, stalled_after(overrides, after_steps))
+def stalled_after(overrides: Sequence[str], after_steps: int, later: Sequence[str] = ()) -> List[str]:
+    """`overrides` with the stall injected, and the injections `later` beside it."""
+    return [*overrides, "ft.inject_failure=" + "+".join([stalled(after_steps), *later])]
+
+
+def launch_stalled(run_dir: Path, overrides: Sequence[str], after_steps: int, timeout_s: float,
+                   later: Sequence[str] = ()) -> str:
+    """Submit with the stall (and `later`) injected; returns the job id once `after_steps`
+    steps are recorded (the next step is then stalled)."""
+    job = launch(run_dir, stalled_after(overrides, after_steps, later))
     wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
              explain=lambda: explain(run_dir, job))
     return job
@@ -161,12 +168,8 @@ def usr1_then(run_dir: Path, overrides: Sequence[str], after_steps: int, requeue
     the next, stalled: as `external_requeue`) and/or the injection `inject` (e.g.
     "generator:0:kill@6"), which fires on attempt 1."""
     t0 = time.monotonic()
-    later = ([f"trainer:0:stall{STALL_S}@{requeue_after + 1}"] if requeue_after is not None else []) + \
-        ([inject] if inject else [])
-    spec = "+".join([f"trainer:0:stall{STALL_S}@{after_steps + 1}", *(f"{x}/restart1" for x in later)])
-    job = launch(run_dir, [*overrides, f"ft.inject_failure={spec}"])
-    wait_for(lambda: steps_done(run_dir) >= after_steps, timeout_s, f"{after_steps} steps",
-             explain=lambda: explain(run_dir, job))
+    later = ([stalled(requeue_after)] if requeue_after is not None else []) + ([inject] if inject else [])
+    job = launch_stalled(run_dir, overrides, after_steps, timeout_s, later=[f"{x}/restart1" for x in later])
     events = _usr1(run_dir, job)
     # attempt 0 has stopped: attempt 1's stall must hold until its own interruption
     RunDir(run_dir).stall_release.unlink(missing_ok=True)
