@@ -1,4 +1,5 @@
-"""A probe for issue #30's next step, not a product path: can a generator rank, already in the
+"""The probe for issue #30 that led tp=1 CPU engines to run their worker in the generator rank
+(refit/vllm_engine.py hidden_job_world, the same swap as below). Its question: can a generator rank, already in the
 job's default (gloo) process group, run vLLM's worker in its own process (the uni executor)
 instead of spawning a worker process that imports vLLM a second time?
 

@@ -56,6 +56,27 @@ def test_every_task_of_an_engine_builds_it_from_the_same_arguments_but_its_node_
     assert "nnodes" not in engine_kwargs("/m", tensor_parallel=2)  # an engine inside one task
 
 
+def test_an_in_process_core_keeps_a_tp1_worker_in_the_rank_and_the_jobs_world_out_of_its_sight(tmp_path):
+    import torch.distributed as dist
+
+    from hpc_rl.refit.vllm_engine import hidden_job_world
+
+    # tp=1: the worker in the caller's process (uni); tp=2: processes of their own; a core of
+    # its own (GPU, spanning engines): vLLM's default
+    assert engine_kwargs("/m", tensor_parallel=1, in_process_core=True)["distributed_executor_backend"] == "uni"
+    assert engine_kwargs("/m", tensor_parallel=2, in_process_core=True)["distributed_executor_backend"] == "mp"
+    assert "distributed_executor_backend" not in engine_kwargs("/m", tensor_parallel=1)
+    # the job's group (here of 1) is hidden while an engine builds and the same one comes back
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        job = dist.group.WORLD
+        with hidden_job_world():
+            assert not dist.is_initialized()  # what vLLM's worker checks before making its own world
+        assert dist.is_initialized() and dist.group.WORLD is job and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
 ULTRA_TEACHERS = ("general", "rlhf", "ifbench", "reasoning", "swe")
 
 

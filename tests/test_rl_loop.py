@@ -210,8 +210,12 @@ def test_tiny_mopd_as_a_het_job_with_fsdp_over_two_trainer_nodes_watched_live(lo
     assert summary["auth_rejected"] == sum(kinds.values()) == sum(by_role.values())
     assert "auth_reports_missing" not in summary
     assert "rejected without the job's MAC" in out.read_text()  # the launcher's summary says so
-    workers = json.loads((run / "auth" / "generator.0.0.json").read_text())["engine_workers"]
-    assert workers["ops"].get("signs", 0) > 0  # the engine's worker process reported too
+    # tiny_mopd's engine is tp=1 on CPU: its one worker runs in the generator rank (vLLM's uni
+    # executor, refit/vllm_engine.py), so the worker's signing is the rank's own and no worker
+    # process reports apart (the TP-2 engine of test_tensor_parallel_rl's het job checks those)
+    report = json.loads((run / "auth" / "generator.0.0.json").read_text())
+    assert "'distributed_executor_backend': 'uni'" in (run / "logs" / "generator.0.out").read_text()
+    assert report["engine_workers"]["ops"] == {} and report["ops"].get("signs", 0) > 0, report
     print(f"neighbour: {forged}; rejected {summary['auth_rejected']}: {kinds}")
 
 

@@ -60,6 +60,10 @@ def _check(run: Path, steps: int, mesh: str, transfers: int, n_trainers: int = 2
     assert f"'tensor_parallel_size': {engine_tp}" in gen
     # engine 0's workers are refit ranks n_trainers + 0*tp + j
     assert f"engine 0 joined the refit group: {engine_tp} worker(s) as refit ranks {list(range(n_trainers, n_trainers + engine_tp))}" in gen
+    # a TP-2 engine's workers are processes of their own (vLLM's multiprocessing executor; only a
+    # tp=1 CPU engine's worker runs in the generator rank): their signing reaches the rank's report
+    report = json.loads((run / "auth" / "generator.0.0.json").read_text())
+    assert report["engine_workers"]["ops"].get("signs", 0) > 0, report
     with h5py.File(run / "rollouts.h5", "r") as f:
         for step in range(1, steps + 1):
             assert f[f"step_{step:06d}"].attrs["weight_version"] == step - 1  # every worker stamped the refit (the engine serves the min)

@@ -6,6 +6,7 @@ shards slice by slice (refit/session.py, refit/vllm_extension.py).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -41,8 +42,9 @@ def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int =
     `expert_parallel`: the MoE layers' experts are spread whole over the TP workers.
     `worker_extension`: the refit extension class vLLM imports in each worker (tests may
     subclass it). `in_process_core`: the engine core runs in the caller's process
-    (`in_process_core()`); its workers stay processes of their own (the multiprocessing
-    executor: a worker inside a rank would take over the rank's default process group)."""
+    (`in_process_core()`); so does its one worker at tp=1 (vLLM's uni executor, built
+    inside `hidden_job_world`), while tp>1 workers stay processes of their own (the
+    multiprocessing executor)."""
     from hpc_rl.precision import vllm_dtype
 
     # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
@@ -54,7 +56,34 @@ def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int =
                 max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
                 tensor_parallel_size=tensor_parallel, worker_extension_cls=worker_extension, **span.vllm_args(),
                 **({"enable_expert_parallel": True} if expert_parallel else {}),
-                **({"distributed_executor_backend": "mp"} if in_process_core else {}))
+                **({"distributed_executor_backend": "uni" if tensor_parallel == 1 else "mp"} if in_process_core else {}))
+
+
+@contextmanager
+def hidden_job_world():
+    """While vLLM builds an engine whose worker runs in this process (the uni executor),
+    torch.distributed shows it no default group. vLLM's worker adopts an initialized default
+    group as its world, and the generator rank's is the job's (runtime/groups.py): the worker
+    would take every rank of the job for its own. Hidden, the worker makes a world of its
+    own (of 1) and keeps it in its own objects; the job's comes back for the rank's barriers.
+    The refit group is a transport of its own (refit/session.py). Why bother: a worker
+    process costs a second interpreter and vLLM import per launch, about 15-20 s of CPU on
+    this project's 2-core test machines (bench/results/inprocess_worker_probe.json).
+    `_world` is torch's private registry of groups. Only CPU engines come here, on the torch
+    that pyproject.toml's cpu extra pins; a torch without it is refused here rather than
+    run with the job's world shown to vLLM."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if not isinstance(getattr(c10d, "_world", None), getattr(c10d, "_World", ())):
+        raise RuntimeError(f"torch {torch.__version__} keeps no torch.distributed.distributed_c10d._world registry; "
+                           "an in-process vLLM worker cannot be kept out of the job's process group with it "
+                           "(install the torch that pyproject.toml's cpu extra pins)")
+    job = c10d._world
+    c10d._world = c10d._World()
+    try:
+        yield
+    finally:
+        c10d._world = job
 
 
 def in_process_core(span: EngineSpan) -> bool:
@@ -90,8 +119,10 @@ class VLLMGenerator:
             # (seen: a TP-2 engine bound as 'auto' after a TP-1 one failed vLLM's NUMA check).
             vllm_envs.disable_envs_cache()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
-                                       tensor_parallel, span, expert_parallel, worker_extension, inproc))
+        own_worker = inproc and tensor_parallel == 1  # the worker in this process too (engine_kwargs)
+        with hidden_job_world() if own_worker else nullcontext():
+            self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
+                                           tensor_parallel, span, expert_parallel, worker_extension, inproc))
         self.tensor_parallel = tensor_parallel
         self.expert_parallel = expert_parallel
         self.span = span
