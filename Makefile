@@ -70,8 +70,11 @@ demo: setup
 
 # Lint (pyflakes rules and the line length, pyproject.toml), the documentation site (strict),
 # then all tests with the local Slurm cluster up (tests marked `slurm` need it).
-test: setup lint docs env-interpreters cluster-up
-	HPC_RL_REQUIRE_SLURM=1 $(PY) -m pytest
+# The environment libraries' interpreters (env-interpreters) are built beside the tests, not
+# before them: pytest starts the build and runs the tests that need it last
+# (tests/env_interpreters.py; about 3-7 minutes of mostly waiting on the network and dpkg).
+test: setup lint docs cluster-up
+	HPC_RL_REQUIRE_SLURM=1 HPC_RL_ENV_INTERPRETERS=background $(PY) -m pytest
 
 # A tracked symlink (git stores the link, not its target) once broke CI's fresh clone: a
 # worktree's .venv-verifiers link to another checkout was committed and pointed at itself there.

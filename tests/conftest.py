@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import env_interpreters
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,13 +37,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a real CUDA GPU")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     config.addinivalue_line("markers", "after_runs: runs after every other test (reads what their real runs left)")
+    env_interpreters.start_in_background()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    env_interpreters.finish()
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     # tests/test_config_keys.py joins the config keys that the session's real runs read
-    # (config_reads/*.json under the session's temp dir): it must come after those runs.
-    # A stable sort keeps every other order as collected.
-    items.sort(key=lambda item: item.get_closest_marker("after_runs") is not None)
+    # (config_reads/*.json under the session's temp dir): it must come after those runs. The
+    # tests that need the environment libraries' interpreters come just before, so that their
+    # build overlaps the rest (tests/env_interpreters.py). A stable sort keeps every other
+    # order as collected.
+    items.sort(key=env_interpreters.order_key)
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,12 @@ def local_slurm() -> LocalSlurm:
         slurm_conf=state_dir / "slurm.conf",
     )
 
+
+
+@pytest.fixture(scope="session")
+def env_interpreters_ready() -> None:
+    """.venv-verifiers and .gym-python exist (tests/env_interpreters.py)."""
+    env_interpreters.ready()
 
 
 @pytest.fixture(scope="session")

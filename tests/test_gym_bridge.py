@@ -5,7 +5,7 @@ loopback proxy into a real tiny model (tiny:student, Hugging Face, sampled). The
 GRPO runs are bench/gym.py's.
 
 A missing interpreter is built with tests/gym_python.sh (about 4.5 minutes and 1.7 GB;
-debootstrap needs root once).
+debootstrap needs root once), by `make env-interpreters` (tests/env_interpreters.py).
 """
 
 from __future__ import annotations
@@ -34,16 +34,8 @@ from adapted_envs import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ensure_interpreter(cfg) -> None:
-    from hpc_rl.agentic.gym_servers import interpreter
-
-    if not Path(interpreter(cfg.env.agentic.gym.python)[0]).exists():
-        proc = subprocess.run([str(ROOT / "tests" / "gym_python.sh")], cwd=ROOT, capture_output=True, text=True)
-        assert proc.returncode == 0, f"tests/gym_python.sh failed:\n{proc.stderr[-3000:]}"
-
-
 @pytest.fixture(scope="module")
-def bridge():
+def bridge(env_interpreters_ready):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_rl.agentic.contract import build_environment
@@ -54,7 +46,6 @@ def bridge():
 
     path = resolve_model_ref("tiny:student")
     cfg = load_config(["+recipe=tiny_gym_grpo", f"model.path={path}"])
-    _ensure_interpreter(cfg)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     # built as an env rank builds it, from the recipe's env.agentic.gym section (these reads
     # are the evidence tests/test_config_keys.py needs that the section is honoured)
@@ -148,7 +139,7 @@ def test_the_proxy_needs_its_key_gym_is_out_of_reach_and_never_holds_the_jobs_ke
     assert cfg_dir.stat().st_mode & 0o777 == 0o700 and (cfg_dir / "hpc_rl.yaml").stat().st_mode & 0o777 == 0o600
 
 
-def test_the_launch_preflight_names_the_key_of_an_environment_gym_cannot_resolve():
+def test_the_launch_preflight_names_the_key_of_an_environment_gym_cannot_resolve(env_interpreters_ready):
     """Before anything is submitted (launchers/runnable.py, config/validate_agentic.py): the
     interpreter, the resources server and the dataset, each refused naming its key."""
     from hpc_rl.agentic.gym_bridge import preflight
@@ -157,7 +148,6 @@ def test_the_launch_preflight_names_the_key_of_an_environment_gym_cannot_resolve
     from hpc_rl.config.validate_agentic import check_gym
 
     cfg = load_config(["+recipe=tiny_gym_grpo"])
-    _ensure_interpreter(cfg)
     g = cfg.env.agentic.gym
     assert preflight(g) == []
     g.resources_server = "no_such_server"
@@ -196,16 +186,13 @@ def _descendants(pid: int) -> set:
     return out
 
 
-def test_gyms_processes_die_with_the_env_rank():
+def test_gyms_processes_die_with_the_env_rank(env_interpreters_ready):
     """A process standing in for the env rank starts Gym (its only agent: env.agentic.gym.agent
     unset) and is SIGKILLed: every Gym process (bubblewrap, Gym's CLI, its servers, its Ray
     cluster) exits, by the parent-death signal and the pid namespace, with nobody's cleanup."""
     import select
     import sys
 
-    from hpc_rl.config import load_config
-
-    _ensure_interpreter(load_config(["+recipe=tiny_gym_grpo"]))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     rank = subprocess.Popen([sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
                             env=env, text=True)

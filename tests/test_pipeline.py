@@ -150,6 +150,33 @@ def test_a_failed_stage_names_its_error_and_cancels_its_dependents_with_the_reas
     assert PipelineRecord.load(tmp_path).stages["mopd"].job_id == "990004"
 
 
+def test_fake_sacct_a_finished_job_of_an_earlier_cluster_with_a_stages_id_is_not_the_stage(tmp_path, monkeypatch):
+    """Seen in the suite on a machine whose accounting database outlived its controller: the
+    fresh controller gave out ids 43-52 again and sacct listed the old jobs, COMPLETED, while
+    this pipeline's stages were queued; pipeline.submit.wait returned at once. Faked (sacct's
+    and squeue's answers): the shared test cluster cannot reset its ids inside a test."""
+    from hpc_rl.pipeline import state
+    from hpc_rl.slurm import states as slurm_states
+
+    rec = _record(tmp_path)
+    now = "2026-12-03T17:00:05"
+    for name, jid in (("rlvr", "43"), ("teacher_add", "46"), ("teacher_mul", "49"), ("mopd", "52")):
+        rec.stages[name].job_id = jid
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "job.json").write_text(json.dumps(
+            {"job_id": jid, "job_name": f"hpc_rl-{name}", "submit_time": now, "submitted_after": 0}))
+    old = "".join(f"{j}+0|hpc_rl-tiny_grpo|COMPLETED|0:0|2026-12-02T09:10:00|2026-12-02T09:11:00|None\n" for j in ("43", "46", "49", "52"))
+    queue = f"43+0|RUNNING|hpc_rl-rlvr|{now}\n" + "".join(
+        f"{j}+0|PENDING|hpc_rl-{n}|{now}\n" for j, n in (("46", "teacher_add"), ("49", "teacher_mul"), ("52", "mopd")))
+    monkeypatch.setattr(state, "sacct_records", lambda ids: slurm_states.parse_sacct_instances(old))
+    monkeypatch.setattr(state, "squeue_records", lambda ids: {j: r for j, r in slurm_states.parse_squeue(queue).items() if j in ids})
+    refresh(rec)
+    assert {n: s.state for n, s in rec.stages.items()} == {
+        "rlvr": "RUNNING", "teacher_add": "PENDING", "teacher_mul": "PENDING", "mopd": "PENDING"}
+    # a job.json of another submission says nothing of this one: the old record is taken as is
+    assert state.stage_identity(tmp_path / "rlvr", "44") is None
+
+
 def test_a_new_attempt_does_not_read_the_failed_attempts_verdicts(tmp_path):
     run = tmp_path / "teacher_add"
     (run / "errors").mkdir(parents=True)

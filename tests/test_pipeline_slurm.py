@@ -1,6 +1,7 @@
 """tiny_pipeline end to end on the local Slurm cluster, short (a few steps per stage): one
-teacher is killed past its retry budget, MOPD is cancelled naming it, and running the
-command again finishes the pipeline without rerunning the stages that finished.
+teacher is killed past its retry budget (the suite's check of an exhausted budget in a
+Slurm job), MOPD is cancelled naming it, and running the command again finishes the
+pipeline without rerunning the stages that finished.
 
 One pipeline run serves both tests (module fixture): the failure half, then the resume half."""
 
@@ -55,6 +56,16 @@ def test_a_teacher_failing_past_its_retry_budget_cancels_mopd_with_the_reason(fa
     assert states == {"rlvr": "COMPLETED", "teacher_add": "FAILED", "teacher_mul": "COMPLETED", "mopd": "CANCELLED"}, \
         {n: (s.state, s.reason) for n, s in rec.stages.items()}
     assert "retry budget exhausted after 0 restarts (ft.max_restarts=0)" in rec.stages["teacher_add"].reason
+    # the exhausted retry budget, as the batch shell recorded it in the stage's run directory:
+    # no requeue, the killed role named, no resume, no summary, not finished (this stage is the
+    # suite's one Slurm job that exhausts its budget; test_chaos_slurm's drills all recover)
+    teacher = pdir / "teacher_add"
+    job_exit = json.loads((teacher / "job_exit.json").read_text())
+    assert job_exit["requeued"] is False and job_exit["failed_role"] == "trainer" and job_exit["exit_code"] != 0, job_exit
+    assert str(job_exit["job_id"]) == str(rec.stages["teacher_add"].job_id)
+    assert "retry budget exhausted after 0 restarts (ft.max_restarts=0)" in job_exit["detail"]
+    assert not (teacher / "restarts.jsonl").exists() and not (teacher / "summary.json").exists()
+    assert not (teacher / "FINISHED").exists()
     assert rec.stages["mopd"].reason.startswith("upstream stage teacher_add failed")
     assert not (pdir / "mopd" / "metrics.jsonl").exists()  # it never started
     status = subprocess.run([sys.executable, "-m", "hpc_rl.pipeline", "status", str(pdir)], capture_output=True, text=True)

@@ -4,15 +4,13 @@ subprocess runtime), its model calls through the loopback proxy into a real tiny
 (tiny:student, Hugging Face, sampled). Seconds, not minutes: the 10-step GRPO runs, locally
 and as a het job, are bench/verifiers.py's.
 
-A missing virtualenv is built with `make verifiers-env` (about 2.5 minutes here).
+A missing virtualenv is built with `make env-interpreters` (tests/env_interpreters.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,18 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bridge():
+def bridge(env_interpreters_ready):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_rl.agentic.contract import build_environment
-    from hpc_rl.agentic.verifiers_bridge import VerifiersEpisode, venv_python
+    from hpc_rl.agentic.verifiers_bridge import VerifiersEpisode
     from hpc_rl.config import load_config
     from hpc_rl.rl.inputs import resolve_model_ref
     from hpc_rl.roles.episode_runner import environment_kwargs
 
-    if not venv_python().exists():
-        proc = subprocess.run(["make", "verifiers-env", f"PY={sys.executable}"], cwd=ROOT, capture_output=True, text=True)
-        assert proc.returncode == 0, f"`make verifiers-env` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     path = resolve_model_ref("tiny:student")
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     # built as an env rank builds it, from the recipe's env.agentic.verifiers section (these

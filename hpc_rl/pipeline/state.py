@@ -8,7 +8,10 @@ A stage's state comes from the most trusted source that knows it:
   3. the DAG: a stage Slurm no longer knows, that never wrote a verdict, whose upstream stage
      failed, was cancelled by Slurm (--kill-on-invalid-dep) because of that failure.
 The Slurm queries are the executor's (hpc_rl/slurm/executor.py: sacct_records,
-squeue_records); this module asks them for the job ids pipeline.json records.
+squeue_records); this module asks them for the job ids pipeline.json records, and keeps
+only the records of the stage's own job (its name and submit time, from the run directory's
+job.json): accounting outlives job ids, so sacct can list a finished job of an earlier
+cluster (a reset controller, wrapped ids) under the id of a stage that is only queued.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Dict, List, Optional
 
 from hpc_rl.rundir import RunDir, write_atomic
 from hpc_rl.slurm.executor import sacct_records, squeue_records
-from hpc_rl.slurm.states import TERMINAL_BAD, aggregate_state
+from hpc_rl.slurm.states import TERMINAL_BAD, JobIdentity, aggregate_state, fitting, fitting_of
 
 PIPELINE_FILE = "pipeline.json"
 ATTEMPTS_DIR = "attempts"
@@ -74,27 +77,42 @@ class PipelineRecord:
         return cls(**doc)
 
 
-def slurm_states(job_ids: List[str]) -> Dict[str, tuple]:
+def slurm_states(job_ids: List[str], identities: Optional[Dict[str, JobIdentity]] = None) -> Dict[str, tuple]:
     """job id -> (state, Slurm's reason), per id from sacct where it lists the job, else
-    squeue (the executor's queries and parsers); jobs neither knows are absent."""
+    squeue (the executor's queries and parsers); jobs neither knows are absent. With the
+    job's identity (`identities`), a record of another job that had the id is not the job's
+    (slurm/states.py fitting): seen when a fresh controller gave out ids that a database
+    kept from an earlier one, and a queued stage read as COMPLETED."""
     ids = [j for j in job_ids if j]
     if not ids:
         return {}
+    identities = identities or {}
     try:
         by_sacct = sacct_records(ids) or {}
     except (OSError, subprocess.TimeoutExpired):  # no sacct, or slurmdbd hangs
         by_sacct = {}
-    missing = [j for j in ids if j not in by_sacct]
+    own = {jid: fitting_of(by_sacct.get(jid), identities.get(jid))[0] for jid in ids}
+    missing = [j for j in ids if own[j] is None]
     try:
         by_squeue = squeue_records(missing) if missing else {}
     except (OSError, subprocess.TimeoutExpired):
         by_squeue = {}
     out = {}
     for jid in ids:
-        rec = (by_sacct.get(jid) or [None])[-1] or by_squeue.get(jid)  # sacct's newest record of the id
+        rec = own[jid] or fitting(by_squeue.get(jid), identities.get(jid))[0]
         if rec is not None and rec.components:
             out[jid] = (aggregate_state(rec.states().values()), rec.reason())
     return out
+
+
+def stage_identity(run_dir: Path, job_id: Optional[str]) -> Optional[JobIdentity]:
+    """The identity launchers/slurm.py recorded in the stage's job.json when it submitted
+    `job_id` (None for another submission's file, or none)."""
+    try:
+        meta = json.loads(RunDir(run_dir).job_meta.read_text())
+    except (OSError, ValueError):
+        return None
+    return JobIdentity.from_meta(meta) if job_id and str(meta.get("job_id")) == str(job_id) else None
 
 
 def _exit_record(run_dir: Path, job_id: Optional[str]) -> Optional[dict]:
@@ -107,7 +125,8 @@ def _exit_record(run_dir: Path, job_id: Optional[str]) -> Optional[dict]:
 
 def refresh(rec: PipelineRecord) -> PipelineRecord:
     """Each stage's state and reason, now; upstream failures explain cancelled dependents."""
-    known = slurm_states([s.job_id for s in rec.stages.values() if s.job_id])
+    jobs = {s.job_id: Path(s.run_dir) for s in rec.stages.values() if s.job_id}
+    known = slurm_states(list(jobs), {j: i for j, d in jobs.items() if (i := stage_identity(d, j)) is not None})
     for s in rec.stages.values():
         rd = Path(s.run_dir)
         if RunDir(rd).finished.exists():
