@@ -8,7 +8,7 @@ different GPUs and talk NCCL. With one GPU they share it; NCCL refuses two ranks
 communicator on one device, so the colocated path (CUDA IPC handles) is used instead;
 --transport forces a choice.
 
-    python -m hpc_rl.refit.gpu_check [--gb 2] [--timeout 120]
+    python -m hpc_rl.refit.gpu_check [--gb 2] [--timeout 120] [--out bench/results/refit_gpu.json]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 
 def _specs(gb: float):
@@ -102,16 +103,27 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--transport", choices=["auto", "torch", "cuda_ipc"], default="auto")
+    ap.add_argument("--out", default="bench/results/refit_gpu.json")
     args = ap.parse_args()
+    code, record = _check(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"check": "refit_gpu", "gb": args.gb, "rc": code, **record}, indent=2) + "\n")
+    return code
+
+
+def _check(args) -> tuple:
+    """(exit code, what was measured): the JSON records a failure as much as a pass."""
     import torch
 
     if not torch.cuda.is_available():
         print("refit_check: no CUDA device visible to torch", flush=True)
-        return 2
+        return 2, {"ran": False, "why": "no CUDA device visible to torch"}
     gpus = torch.cuda.device_count()
     print(f"refit_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
     kind = args.transport if args.transport != "auto" else ("torch" if gpus >= 2 else "cuda_ipc")
+    record = {"ran": True, "gpus": gpus, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "transport": kind}
     print(f"refit_check: transport {kind} ({'NCCL' if kind == 'torch' else 'CUDA IPC, both processes on GPU 0'})",
           flush=True)
     with socket.socket() as s:
@@ -136,21 +148,24 @@ def main() -> int:
         if p.is_alive():
             p.kill()
     print(json.dumps(results, indent=1), flush=True)
+    record["processes"] = results
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         if any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors) and gpus == 1:
             print("refit_check: NCCL refuses two ranks on one GPU; rerun with --transport cuda_ipc", flush=True)
-            return 3
-        return 1
+            return 3, record
+        return 1, record
     if len(results) < 2:
         print("refit_check: a process did not report (hung or died)", flush=True)
-        return 1
+        return 1, record
     r = results[1]
     walk, raw = min(r["walk_s"]), min(r["raw_s"])
     print(f"refit_check: {r['bytes'] / 1e9:.2f} GB; walk {walk * 1e3:.1f} ms = {r['bytes'] / walk / 1e9:.1f} GB/s; "
           f"raw {kind} {raw * 1e3:.1f} ms = {r['bytes'] / raw / 1e9:.1f} GB/s; efficiency {raw / walk:.2f}; "
           f"wrong tensors {r['bad_tensors']}", flush=True)
-    return 0 if r["bad_tensors"] == 0 else 1
+    record.update(bytes=r["bytes"], walk_s=walk, raw_s=raw, walk_gb_s=r["bytes"] / walk / 1e9,
+                  raw_gb_s=r["bytes"] / raw / 1e9, efficiency=raw / walk, bad_tensors=r["bad_tensors"])
+    return (0 if r["bad_tensors"] == 0 else 1), record
 
 
 if __name__ == "__main__":

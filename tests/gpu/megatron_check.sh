@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python -W ignore -c "import torch, megatron.core, vllm; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'vllm', vllm.__version__)"
+python -W ignore -c "import torch, megatron.core; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+# without vLLM the check still runs its first stages; the JSON names the stage it stopped at
+python -W ignore -c "import vllm; print('vllm', vllm.__version__)" || echo "vllm: not installed (the refit stage will fail)"
 python -W ignore -c "import transformer_engine; print('transformer-engine', transformer_engine.__version__)" || echo "transformer-engine: not installed (local layer specs)"
 timeout 540 python -m hpc_rl.models.megatron.gpu_check --out bench/results/megatron_gpu.json
