@@ -1,14 +1,19 @@
 """The chaos drills with asynchronous rollouts on (#15), on the local Slurm cluster: USR1
 before the time limit, then a killed generator, in one job. The run must finish with the weights of the
 uninterrupted async run, every step's samples exactly those of that run (nothing lost,
-nothing sampled twice) and no sample trained beyond the age bound."""
+nothing sampled twice) and no sample trained beyond the age bound. Issue 29's neighbour
+attacks the attempt after the kill (the killed-generator drill of test_chaos_slurm, folded
+in here: one job fewer)."""
 
 from __future__ import annotations
+
+import threading
 
 import h5py
 import numpy as np
 import pytest
 
+import neighbour
 from hpc_rl.slurm import chaos
 
 RUN = ["+recipe=tiny_grpo", "cluster=local_slurm", "run.max_steps=6", "algo.prompts_per_step=8",
@@ -46,8 +51,25 @@ def test_usr1_then_a_killed_generator_with_async_rollouts_resume_and_match(local
     attempt 1."""
     ref_run, ref = reference
     run = tmp_path / "run"
+    # Issue 29's attack, on the weights: a neighbour without the job's secret attacks attempt
+    # 2 (the requeue after the kill) as soon as its store listens: a file-creating pickle
+    # under the readiness key of every refit, forged abort verdicts, forged rank records
+    # (tests/neighbour.py). The attempt must finish with the reference's weights, the
+    # rejections counted.
+    marker, forged = tmp_path / "pwned", {}
+
+    def neighbour_attacks():
+        try:
+            forged.update(neighbour.attack(run, neighbour.Submitted(run), marker, world=3, refit_world=2, refits=6,
+                                           restart=2))
+        except AssertionError as exc:
+            forged["error"] = str(exc)
+
+    attacker = threading.Thread(target=neighbour_attacks, daemon=True)
+    attacker.start()
     # SIGKILL of the generator on attempt 1 when step 6's order reaches it (sent during step 5)
     res = chaos.usr1_then(run, RUN, after_steps=2, inject="generator:0:kill@6")
+    attacker.join(timeout=120)
     assert res.finished, res
     # USR1: stopped after step 3 with step 4 sampled ahead: the buffer held it through the
     # requeue, attempt 1 resumed at step 3 with nothing recomputed; the kill: attempt 2
@@ -57,3 +79,9 @@ def test_usr1_then_a_killed_generator_with_async_rollouts_resume_and_match(local
     assert [(r["restart"], r["resumed_from_step"]) for r in res.restarts][1:] == [(2, 4)]
     assert res.summary["final_weights_sha256"] == ref.summary["final_weights_sha256"]
     _same_samples_within_the_bound(run, ref_run)
+    assert all((run / "logs" / f"generator.{k}.out").exists() for k in (0, 1, 2))  # one log per restart
+    assert "error" not in forged and len(forged["ready_planted"]) >= 4 and not marker.exists(), forged
+    kinds = res.summary["auth_rejected_by_kind"]
+    # every rank of the attempt read the forged verdict; the generator read forged readiness
+    assert kinds.get("hb/*/abort", 0) >= 3 and kinds.get("refit/*/ready/*/*", 0) >= 1, res.summary
+    assert res.summary["restarts"] == 2  # the forged verdict caused no third attempt
