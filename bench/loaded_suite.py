@@ -56,6 +56,18 @@ def _by_file(junit: Path, n: int = 15) -> list:
     return [{"file": f, "seconds": round(s, 1), "tests": count[f]} for f, s in per.most_common(n)]
 
 
+def _tests(junit: Path, floor_s: float = 5.0) -> list:
+    """Every test of at least `floor_s` (setup, call and teardown together, from the JUnit
+    XML), slowest first: the whole picture for the next cut, beyond the ten slowest."""
+    import xml.etree.ElementTree as ET
+
+    if not junit.exists():
+        return []
+    rows = [(float(c.get("time", 0)), f"{c.get('classname', '').replace('.', '/')}.py::{c.get('name')}")
+            for c in ET.parse(junit).iter("testcase")]
+    return [{"seconds": round(t, 1), "test": n} for t, n in sorted(rows, reverse=True) if t >= floor_s]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--burners", type=int, default=1, help="busy processes beside the suite (this machine has 2 cores)")
@@ -90,7 +102,8 @@ def main() -> int:
     record = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "burners": args.burners,
               "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
               "rc": rc, "wall_s": round(wall, 1), "goal_s": GOAL_S, "under_goal": wall < GOAL_S,
-              "pytest": closing[-1] if closing else None, "slowest": _slowest(text), "by_file": _by_file(junit),
+              "pytest": closing[-1] if closing else None, "slowest": _slowest(text), "by_file": _by_file(junit, n=40),
+              "tests_over_5s": _tests(junit),
               "load_avg_1min": {"min": min(loads), "max": max(loads), "mean": sum(loads) / len(loads)} if loads else None}
     runs = json.loads(OUT.read_text()) if OUT.exists() else []
     runs.append(record)
