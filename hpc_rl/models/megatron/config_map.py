@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
+from . import nemotron_h_config
 from .hf_mapping import MappingError, ModelDims, padded_vocab
+from .nemotron_h_mapping import NemotronHDims, dims_of
 from .shards import Parallel
 
 # vLLM's CPU twin and the HF forward use plain attention; so do we unless TE is present.
@@ -66,7 +68,9 @@ def transformer_kwargs(hf: Mapping, p: Parallel, sequence_parallel: bool, precis
                        te: bool = True, cpu_init: bool = False) -> Dict[str, Any]:
     """Keyword arguments of megatron.core TransformerConfig (activation_func as a name:
     'silu'; transformer_config() resolves it)."""
-    d = ModelDims.from_hf_config(hf)
+    d = dims_of(hf)
+    if isinstance(d, NemotronHDims):
+        return nemotron_h_config.transformer_kwargs(hf, d, p, sequence_parallel, precision, _DTYPES, te, cpu_init)
     kw: Dict[str, Any] = dict(
         num_layers=d.num_layers, hidden_size=d.hidden, num_attention_heads=d.heads, num_query_groups=d.kv_heads,
         kv_channels=d.head_dim, ffn_hidden_size=d.ffn, normalization="RMSNorm",
@@ -106,8 +110,11 @@ def transformer_kwargs(hf: Mapping, p: Parallel, sequence_parallel: bool, precis
 
 
 def model_kwargs(hf: Mapping, p: Parallel, max_seq_len: int) -> Dict[str, Any]:
-    """Keyword arguments of GPTModel besides config, spec, pre/post_process."""
-    d = ModelDims.from_hf_config(hf)
+    """Keyword arguments of GPTModel (MambaModel for Nemotron-H) besides config, spec,
+    pre/post_process."""
+    d = dims_of(hf)
+    if isinstance(d, NemotronHDims):
+        return nemotron_h_config.model_kwargs(d, p, max_seq_len)
     return dict(vocab_size=padded_vocab(d.vocab, p.tp), max_sequence_length=max_seq_len, position_embedding_type="rope",
                 share_embeddings_and_output_weights=d.tied, parallel_output=True, **_rope(hf))
 
@@ -136,7 +143,9 @@ def transformer_config(kw: Mapping[str, Any]):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(kw)
-    kw["activation_func"] = {"silu": F.silu}[kw["activation_func"]]
+    from megatron.core.activations import squared_relu
+
+    kw["activation_func"] = {"silu": F.silu, "squared_relu": squared_relu}[kw["activation_func"]]
     kw["params_dtype"] = getattr(torch, kw["params_dtype"])
     if kw.get("pipeline_dtype"):
         kw["pipeline_dtype"] = getattr(torch, kw["pipeline_dtype"])
@@ -170,6 +179,8 @@ def parallel_of(section: Any, world: int) -> Parallel:
     return Parallel(tp=q.tp, cp=q.cp, dp=world // inner, pp=q.pp, ep=q.ep, etp=q.etp)
 
 
-def check(hf: Mapping, p: Parallel, sequence_parallel: bool, max_seq_len: int) -> Optional[str]:
-    problems = layout_problems(ModelDims.from_hf_config(hf), p, sequence_parallel, max_seq_len)
+def check(hf: Mapping, p: Parallel, sequence_parallel: bool, max_seq_len: int, te: bool = True) -> Optional[str]:
+    d = dims_of(hf)
+    problems = (nemotron_h_config.layout_problems(hf, d, p, sequence_parallel, max_seq_len, te)
+                if isinstance(d, NemotronHDims) else layout_problems(d, p, sequence_parallel, max_seq_len))
     return "; ".join(problems) if problems else None

@@ -15,6 +15,15 @@ How each tensor is split (full Megatron name, whole -> rank):
   eglu    an expert's linear_fc1: as glu, over etp
   erow    an expert's linear_fc2: columns over etp
   (rest)  norms, router: whole on every rank
+Nemotron-H (a NemotronHDims, megatron-core's MambaModel) adds:
+  parts   a Mamba mixer's in_proj (z, x, B, C, dt rows) and conv1d (x, B, C channels): each
+          part split over tp, a rank's pieces joined in that order (mamba_ssm's TP layout)
+  col     the mixer's A_log, D, dt_bias (heads) and gated norm (inner rows), the non-gated
+          MLP's and shared expert's linear_fc1
+  ecol    a non-gated expert's linear_fc1: rows over etp
+  row     the mixer's out_proj, the shared expert's linear_fc2
+  (rest)  the latent projections (megatron-core duplicates them on every rank), the router
+          and its expert bias
 Layers go to pipeline stages in equal contiguous blocks; the embedding lives on the first
 stage, the final norm and output layer on the last (a tied model's last stage keeps a copy
 of the embedding as its output layer when pp > 1).
@@ -29,6 +38,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from .hf_mapping import MappingError, ModelDims
+from .nemotron_h_mapping import NemotronHDims
 
 Index = Tuple[slice, ...]
 
@@ -89,28 +99,41 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 
 
-def _kind(suffix: str, layer: bool) -> Optional[str]:
+def _kind(suffix: str, layer: bool, d: Optional[ModelDims] = None) -> Tuple[Optional[str], Tuple[int, ...]]:
+    """(split kind, part sizes for kind "parts" / "glu") of a Megatron tensor."""
     if not layer:
-        return "vocab" if suffix in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        return ("vocab" if suffix in ("embedding.word_embeddings.weight", "output_layer.weight") else None), ()
+    hybrid = isinstance(d, NemotronHDims)
     m = _EXPERT.match(suffix)
     if m:
         fc = m.group(2) or m.group(3)
-        return "eglu" if fc == "linear_fc1" else "erow"
+        return ("erow" if fc == "linear_fc2" else "ecol" if hybrid else "eglu"), ()
     if suffix.startswith("self_attention.linear_qkv.") and suffix.endswith(("weight", "bias")) and "layer_norm" not in suffix:
-        return "col"
+        return "col", ()
     if suffix in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
-        return "row"
+        return "row", ()
     if suffix == "mlp.linear_fc1.weight":
-        return "glu"
-    return None
+        return ("col", ()) if hybrid else ("glu", ())
+    if hybrid:
+        if suffix == "mixer.in_proj.weight":
+            return "parts", d.in_proj_parts()
+        if suffix in ("mixer.conv1d.weight", "mixer.conv1d.bias"):
+            return "parts", d.conv_parts()
+        if suffix in ("mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.norm.weight",
+                      "mlp.shared_experts.linear_fc1.weight"):
+            return "col", ()
+        if suffix in ("mixer.out_proj.weight", "mlp.shared_experts.linear_fc2.weight"):
+            return "row", ()
+    return None, ()
 
 
-def _split(shape: Tuple[int, ...], kind: Optional[str], tp: int, rank: int) -> List[Tuple[Index, Index]]:
+def _split(shape: Tuple[int, ...], kind: Optional[str], tp: int, rank: int,
+           parts: Tuple[int, ...] = ()) -> List[Tuple[Index, Index]]:
     """(whole index, local index) pairs for the slices rank `rank` of `tp` holds."""
     full = tuple(slice(0, n) for n in shape)
     if kind is None or tp == 1:
         return [(full, full)]
-    if kind in ("vocab", "col", "row", "erow"):
+    if kind in ("vocab", "col", "row", "erow", "ecol"):
         dim = 1 if kind in ("row", "erow") else 0
         if shape[dim] % tp:
             raise MappingError(f"dimension {dim} of {shape} does not split over {tp} ranks")
@@ -118,13 +141,16 @@ def _split(shape: Tuple[int, ...], kind: Optional[str], tp: int, rank: int) -> L
         whole, local = list(full), list(full)
         whole[dim], local[dim] = slice(rank * n, (rank + 1) * n), slice(0, n)
         return [(tuple(whole), tuple(local))]
-    half = shape[0] // 2  # glu / eglu: gate rows, then up rows
-    if half % tp:
-        raise MappingError(f"{half} gate/up rows do not split over {tp} ranks")
-    n = half // tp
-    rest = full[1:]
-    return [((slice(h * half + rank * n, h * half + (rank + 1) * n),) + rest, (slice(h * n, (h + 1) * n),) + rest)
-            for h in (0, 1)]
+    # glu / eglu: the gate rows, then the up rows; parts: a Mamba mixer's in_proj / conv1d
+    sizes = parts if kind == "parts" else (shape[0] // 2, shape[0] // 2)
+    if any(n % tp for n in sizes):
+        raise MappingError(f"parts of {list(sizes)} rows do not split over {tp} ranks")
+    rest, out, whole_at, local_at = full[1:], [], 0, 0
+    for size in sizes:
+        n = size // tp
+        out.append(((slice(whole_at + rank * n, whole_at + (rank + 1) * n),) + rest, (slice(local_at, local_at + n),) + rest))
+        whole_at, local_at = whole_at + size, local_at + n
+    return out
 
 
 def placement(name: str, shape: Tuple[int, ...], d: ModelDims, p: Parallel, c: Coords,
@@ -136,20 +162,20 @@ def placement(name: str, shape: Tuple[int, ...], d: ModelDims, p: Parallel, c: C
     if m is None:
         if name.startswith("embedding."):
             on = c.pp == 0
-        elif name == "output_layer.weight" or name.startswith("decoder.final_layernorm"):
+        elif name == "output_layer.weight" or name.startswith(("decoder.final_layernorm", "decoder.final_norm")):
             on = last and (name != "output_layer.weight" or not d.tied or tied_output)
         else:
             raise MappingError(f"{name}: not a Megatron GPT parameter this mapping knows")
         if not on:
             return None
-        kind, tp, rank, local = _kind(name, False), p.tp, c.tp, name
+        (kind, parts), tp, rank, local = _kind(name, False), p.tp, c.tp, name
     else:
         layer, suffix = int(m.group(1)), m.group(2)
         layers = stage_layers(d.num_layers, p.pp, c.pp)
         if layer not in layers:
             return None
-        kind = _kind(suffix, True)
-        tp, rank = (p.etp, c.etp) if kind in ("eglu", "erow") else (p.tp, c.tp)
+        kind, parts = _kind(suffix, True, d)
+        tp, rank = (p.etp, c.etp) if kind in ("eglu", "erow", "ecol") else (p.tp, c.tp)
         e = _EXPERT.match(suffix)
         if e:
             expert = int(e.group(1) if e.group(1) is not None else e.group(4))
@@ -160,7 +186,7 @@ def placement(name: str, shape: Tuple[int, ...], d: ModelDims, p: Parallel, c: C
             suffix = (f"mlp.experts.local_experts.{le}.{e.group(2)}.weight" if e.group(1) is not None
                       else f"mlp.experts.{e.group(3)}.weight{le}")
         local = f"decoder.layers.{layer - layers.start}.{suffix}"
-    pairs = _split(tuple(shape), kind, tp, rank)
+    pairs = _split(tuple(shape), kind, tp, rank, parts)
     lshape = tuple(max(s.stop for _, loc in pairs for s in [loc[k]]) for k in range(len(shape)))
     return local, pairs, lshape
 

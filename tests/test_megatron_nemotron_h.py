@@ -1,0 +1,160 @@
+"""Nemotron-H on the Megatron backend, its CPU-testable half (issue #25): the HF <-> Megatron
+mapping of the tiny dense (M*M-) and MoE (MEM*E: latent MoE, shared expert, router bias)
+hybrids, megatron-core's Mamba tensor-parallel layout, and the TransformerConfig / MambaModel
+arguments validated by megatron-core's own dataclass. Random checkpoints of the tiny assets'
+shapes (save_untrained: seconds, no training)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpc_rl.models.assets import NemotronHModelSpec, NemotronHMoeModelSpec, save_untrained
+from hpc_rl.models.megatron import config_map
+from hpc_rl.models.megatron.hf_mapping import MappingError, Style, padded_vocab
+from hpc_rl.models.megatron.nemotron_h_mapping import NemotronHDims, hf_to_megatron, megatron_to_hf, pattern_of
+from hpc_rl.models.megatron.shards import Parallel, coords_of, gather, local_state
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for key, spec in (("dense", NemotronHModelSpec()), ("moe", NemotronHMoeModelSpec())):
+        path = save_untrained(tmp_path_factory.mktemp(key), spec, seed=3)
+        out[key] = (json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors")))
+    return out
+
+
+def _bitwise(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("key", ["dense", "moe"])
+def test_hf_megatron_hf_round_trip_is_bitwise(checkpoints, key):
+    cfg, hf = checkpoints[key]
+    d = NemotronHDims.from_hf_config(cfg)
+    assert d.pattern == {"dense": "M*M-", "moe": "MEM*E"}[key]
+    s = Style(padded_vocab=padded_vocab(d.vocab, 2))
+    mc = hf_to_megatron(hf, d, s)
+    assert mc["embedding.word_embeddings.weight"].shape[0] == 256  # 104 rows padded to 128 * tp
+    _bitwise(megatron_to_hf(mc, d, s), hf)
+
+
+def test_mamba_and_moe_tensors_land_under_megatrons_names(checkpoints):
+    cfg, hf = checkpoints["moe"]
+    d = NemotronHDims.from_hf_config(cfg)
+    mc = hf_to_megatron(hf, d)
+    # the block norm fuses into the mixer's in_proj (TE's LayerNormLinear); [z, x, B, C, dt] kept
+    assert torch.equal(mc["decoder.layers.0.mixer.in_proj.layer_norm_weight"], hf["backbone.layers.0.norm.weight"])
+    assert torch.equal(mc["decoder.layers.0.mixer.in_proj.weight"], hf["backbone.layers.0.mixer.in_proj.weight"])
+    assert mc["decoder.layers.0.mixer.A_log"].dtype == torch.float32
+    # an MoE layer: its own pre-MLP norm, the router's correction bias as megatron's expert bias
+    assert torch.equal(mc["decoder.layers.1.pre_mlp_layernorm.weight"], hf["backbone.layers.1.norm.weight"])
+    bias = mc["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, hf["backbone.layers.1.mixer.gate.e_score_correction_bias"])
+    assert torch.equal(mc["decoder.layers.1.mlp.experts.linear_fc1.weight3"], hf["backbone.layers.1.mixer.experts.3.up_proj.weight"])
+    assert torch.equal(mc["decoder.layers.4.mlp.fc2_latent_proj.weight"], hf["backbone.layers.4.mixer.fc2_latent_proj.weight"])
+    assert torch.equal(mc["decoder.final_norm.weight"], hf["backbone.norm_f.weight"])
+    # attention: q/k/v rows grouped per key/value head, the norm fused into linear_qkv
+    assert mc["decoder.layers.3.self_attention.linear_qkv.weight"].shape == (3 * 64, 64)
+    assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in mc
+
+
+def test_in_memory_names_and_fused_experts_map_like_the_checkpoint(checkpoints):
+    """transformers' module says `model.` and keeps an MoE layer's experts fused [E, out, in]."""
+    cfg, hf = checkpoints["moe"]
+    d = NemotronHDims.from_hf_config(cfg)
+    mem = {}
+    for name, t in hf.items():
+        name = "model." + name[len("backbone."):] if name.startswith("backbone.") else name
+        mem[name] = t
+    for layer in (1, 4):
+        for kind in ("up_proj", "down_proj"):
+            names = [f"model.layers.{layer}.mixer.experts.{e}.{kind}.weight" for e in range(4)]
+            mem[f"model.layers.{layer}.mixer.experts.{kind}"] = torch.stack([mem.pop(n) for n in names])
+    _bitwise(hf_to_megatron(mem, d), hf_to_megatron(hf, d))
+
+
+def test_the_pattern_is_read_from_either_config_key_and_mtp_is_left_to_the_export(checkpoints):
+    cfg, hf = checkpoints["dense"]
+    assert pattern_of({"hybrid_override_pattern": "M*M-"}) == pattern_of(cfg) == "M*M-"
+    with pytest.raises(MappingError, match="one of M, \\*, -, E"):
+        pattern_of({"hybrid_override_pattern": "M*X"})
+    d = NemotronHDims.from_hf_config(cfg)
+    with_mtp = dict(hf, **{"mtp.layers.0.eh_proj.weight": torch.zeros(64, 128)})
+    _bitwise(hf_to_megatron(with_mtp, d), hf_to_megatron(hf, d))  # carried by ckpt/carry.py, not trained
+    broken = dict(hf)
+    broken.pop("backbone.layers.0.mixer.dt_bias")
+    with pytest.raises(MappingError, match="backbone.layers.0.mixer.dt_bias: missing"):
+        hf_to_megatron(broken, d)
+
+
+MESHES = {"dense": [Parallel(tp=2), Parallel(pp=2), Parallel(tp=2, pp=2), Parallel(tp=2, dp=2)],
+          "moe": [Parallel(tp=2), Parallel(dp=2, ep=2), Parallel(tp=2, ep=2, etp=1), Parallel(tp=2, ep=1, etp=2)]}
+
+
+@pytest.mark.parametrize("key,mesh", [(k, m) for k, ms in MESHES.items() for m in ms])
+def test_shard_over_the_mesh_and_gather_back_is_bitwise(checkpoints, key, mesh):
+    cfg, hf = checkpoints[key]
+    d = NemotronHDims.from_hf_config(cfg)
+    whole = hf_to_megatron(hf, d, Style(padded_vocab=padded_vocab(d.vocab, mesh.tp)))
+    locals_ = {r: local_state(whole, d, mesh, r) for r in range(mesh.world)}
+    _bitwise(gather(locals_, {n: (tuple(t.shape), t.dtype) for n, t in whole.items()}, d, mesh), whole)
+
+
+def test_a_tp_rank_holds_its_piece_of_every_mamba_part(checkpoints):
+    """mamba_ssm's (and megatron-core's) tensor-parallel mixer: rank r's in_proj rows are
+    [z_r, x_r, B_r, C_r, dt_r], its conv1d channels [x_r, B_r, C_r], its heads' A_log/D/dt_bias,
+    its inner rows of the gated norm, its columns of out_proj."""
+    cfg, hf = checkpoints["dense"]
+    d = NemotronHDims.from_hf_config(cfg)
+    whole = hf_to_megatron(hf, d, Style(padded_vocab=padded_vocab(d.vocab, 2)))
+    p = Parallel(tp=2)
+    w = whole["decoder.layers.0.mixer.in_proj.weight"]  # z 64, x 64, B 32, C 32, dt 4
+    for r in (0, 1):
+        loc = local_state(whole, d, p, r)
+        z, x, b, c, dt = (w[a:a + n] for a, n in ((0, 64), (64, 64), (128, 32), (160, 32), (192, 4)))
+        want = torch.cat([t[r * (t.shape[0] // 2):(r + 1) * (t.shape[0] // 2)] for t in (z, x, b, c, dt)])
+        assert torch.equal(loc["decoder.layers.0.mixer.in_proj.weight"], want)
+        conv = whole["decoder.layers.0.mixer.conv1d.weight"]
+        want = torch.cat([conv[a + r * n // 2:a + (r + 1) * n // 2] for a, n in ((0, 64), (64, 32), (96, 32))])
+        assert torch.equal(loc["decoder.layers.0.mixer.conv1d.weight"], want)
+        assert torch.equal(loc["decoder.layers.0.mixer.A_log"], whole["decoder.layers.0.mixer.A_log"][2 * r:2 * r + 2])
+        assert loc["decoder.layers.0.mixer.out_proj.weight"].shape == (64, 32)
+        assert torch.equal(loc["decoder.layers.0.mixer.in_proj.layer_norm_weight"],
+                           whole["decoder.layers.0.mixer.in_proj.layer_norm_weight"])
+        assert loc["decoder.layers.3.mlp.linear_fc1.weight"].shape == (96, 64)  # non-gated: plain rows
+    assert coords_of(1, p).tp == 1
+
+
+@pytest.mark.parametrize("key", ["dense", "moe"])
+def test_transformer_config_mapping_builds_megatrons_dataclass(checkpoints, key):
+    cfg, _ = checkpoints[key]
+    for p in (Parallel(), Parallel(tp=2)):
+        kw = config_map.transformer_kwargs(cfg, p, sequence_parallel=True, precision="bf16", te=True, cpu_init=True)
+        tc = config_map.transformer_config(kw)
+        assert tc.is_hybrid_model and tc.mamba_num_heads == 4 and tc.mamba_num_groups == 2 and tc.mamba_state_dim == 16
+        assert not tc.gated_linear_unit and tc.activation_func.__name__ == "squared_relu"
+        if key == "moe":
+            assert (tc.num_moe_experts, tc.moe_router_score_function, tc.moe_router_enable_expert_bias) == (4, "sigmoid", True)
+            assert (tc.moe_latent_size, tc.moe_shared_expert_intermediate_size, tc.moe_router_topk) == (32, 64, 2)
+    mk = config_map.model_kwargs(cfg, Parallel(tp=2), 128)
+    assert mk["hybrid_override_pattern"] == cfg.get("hybrid_override_pattern", pattern_of(cfg))
+    assert mk["position_embedding_type"] == "none" and mk["vocab_size"] == 256
+
+
+def test_layout_problems_name_every_reason(checkpoints):
+    cfg, _ = checkpoints["moe"]
+    problem = config_map.check(cfg, Parallel(tp=4, ep=3, dp=3), sequence_parallel=False, max_seq_len=128, te=False)
+    for words in ("4 must divide the attention heads", "must divide the 2 Mamba groups", "expert parallel 3",
+                  "Transformer Engine only", "sequence parallelism"):
+        assert words in problem, problem
+    assert config_map.check(cfg, Parallel(tp=2, dp=1), sequence_parallel=True, max_seq_len=128, te=True) is None
+    dense, _ = checkpoints["dense"]
+    assert "conv of 4 taps" in config_map.check(dict(dense, conv_kernel=3), Parallel(), False, 128)
+    assert "renormalises" in config_map.check(dict(cfg, norm_topk_prob=False), Parallel(), False, 128)
