@@ -16,7 +16,14 @@ from hpc_rl.models.assets import NemotronHModelSpec, NemotronHMoeModelSpec, save
 from hpc_rl.models.megatron import config_map
 from hpc_rl.models.megatron.hf_mapping import MappingError, Style, padded_vocab
 from hpc_rl.models.megatron.nemotron_h_mapping import NemotronHDims, hf_to_megatron, megatron_to_hf, pattern_of
+from hpc_rl.models.megatron.nemotron_h_refit import pieces
+from hpc_rl.models.megatron.refit_layout import local_hf_shards, megatron_layout, vllm_engine_layout
 from hpc_rl.models.megatron.shards import Parallel, coords_of, gather, local_state
+from hpc_rl.refit.layout import merge
+from hpc_rl.refit.planner import plan_refit
+from hpc_rl.refit.vllm_layout import specs_of
+
+from test_megatron_refit_layout import _run
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +165,39 @@ def test_layout_problems_name_every_reason(checkpoints):
     dense, _ = checkpoints["dense"]
     assert "conv of 4 taps" in config_map.check(dict(dense, conv_kernel=3), Parallel(), False, 128)
     assert "renormalises" in config_map.check(dict(cfg, norm_topk_prob=False), Parallel(), False, 128)
+
+
+REFITS = [("dense", Parallel(tp=2), [2, 1]), ("dense", Parallel(tp=2, pp=2, dp=2), [2]),
+          ("moe", Parallel(tp=2, ep=2, etp=1), [2, 1]), ("moe", Parallel(dp=2, ep=2), [2])]
+
+
+@pytest.mark.parametrize("key,p,engines", REFITS,
+                         ids=[f"{k}-tp{p.tp}pp{p.pp}dp{p.dp}ep{p.ep}-to-tp{'+'.join(map(str, e))}" for k, p, e in REFITS])
+def test_planner_moves_megatron_shards_into_vllm_nemotron_h_engines_exactly(checkpoints, key, p, engines):
+    """Megatron's Mamba pieces ([z_r, x_r, B_r, C_r, dt_r] per TP rank) into vLLM's
+    Nemotron-H layout (refit/nemotron_h_layout.py) of TP-2 and TP-1 engines: every
+    destination box equals the HF tensor's slice, and nothing is received twice."""
+    cfg, hf = checkpoints[key]
+    d = NemotronHDims.from_hf_config(cfg)
+    s = Style(padded_vocab=padded_vocab(d.vocab, p.tp))
+    whole = hf_to_megatron(hf, d, s)
+    shards = {r: local_hf_shards(local_state(whole, d, p, r), d, s, p, r) for r in range(p.world)}
+    for rank, boxes in shards.items():  # each box is the HF tensor's own slice
+        for name, held in boxes.items():
+            for start, t in pieces(held):
+                assert torch.equal(t, hf[name][tuple(slice(a, a + n) for a, n in zip(start, t.shape))]), (rank, name)
+    specs = specs_of(hf)
+    src = megatron_layout(specs, d, s, p)
+    assert sorted(src.tensors) == sorted(hf)
+    first, dsts = p.world, []
+    for tp in engines:
+        dsts.append(vllm_engine_layout(specs, list(range(first, first + tp)), tp, 1, d.num_layers))
+        first += tp
+    dst = merge(*dsts)
+    plan = plan_refit(src, dst)
+    _run(plan, shards, hf, dst)
+    for r, n in plan.bytes_received().items():
+        assert n == dst.bytes_on(r), r
+    if p.tp == 2 and engines[0] == 2:  # equal tp: each in_proj piece travels whole to its worker
+        moved = [t for t in plan.transfers if t.name.endswith("layers.0.mixer.in_proj.weight") and t.dst == p.world]
+        assert sorted(t.start[0] for t in moved) == [0, 64, 128, 160, 192]

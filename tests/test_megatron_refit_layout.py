@@ -11,6 +11,7 @@ import torch
 from hpc_rl.models.megatron.hf_mapping import ModelDims, Style, hf_to_megatron, padded_vocab, split_fused_experts
 from hpc_rl.models.megatron.refit_layout import (layer_count, local_hf_shards, megatron_layout, megatron_refit_setup,
                                                  vllm_engine_layout, vllm_stage_layers)
+from hpc_rl.models.megatron.nemotron_h_refit import pieces
 from hpc_rl.models.megatron.shards import Parallel, local_state
 from hpc_rl.refit.layout import Layout, LayoutError, merge
 from hpc_rl.refit.planner import plan_refit
@@ -77,7 +78,7 @@ def _run(plan, src_shards, hf, dst: Layout):
         for tr in bucket:
             if tr.stage == 0:
                 src = src_shards[tr.src]
-                block = read([src[tr.name]] if tr.name in src else [], tr.name, tr.start, tr.stop)
+                block = read(pieces(src[tr.name]) if tr.name in src else [], tr.name, tr.start, tr.stop)
             else:
                 block = read(got.get((tr.src, tr.name), []), tr.name, tr.start, tr.stop)
             got.setdefault((tr.dst, tr.name), []).append((tr.start, block.clone()))

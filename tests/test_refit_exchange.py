@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.refit.execute import Holdings, RefitWalk
-from hpc_rl.refit.layout import Layout, expert_parallel, merge, tensor_parallel
+from hpc_rl.refit.layout import Layout, Piece, expert_parallel, merge, tensor_parallel
 from hpc_rl.refit.planner import plan_refit
 from hpc_rl.refit.transport import RefitError, make_transport
 
@@ -63,7 +63,12 @@ def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, 
             for piece in t.pieces:
                 if piece.rank in mine:
                     view = full[tuple(slice(a, b) for a, b in zip(piece.start, piece.stop))].clone()
-                    holdings.src.setdefault(piece.rank, {})[name] = (piece.start, view)
+                    held = holdings.src.setdefault(piece.rank, {})
+                    if name in held:  # several boxes of one tensor on one rank: a list of them
+                        held[name] = [*(held[name] if isinstance(held[name], list) else [held[name]]),
+                                      (piece.start, view)]
+                    else:
+                        held[name] = (piece.start, view)
         walk = RefitWalk(plan, holdings, proc_of, me, transport, direct_min=direct_min)
         if misbehave == "train4":  # still training for 4 s, longer than the 3 s deadline, then ready
             time.sleep(4.0)
@@ -148,6 +153,19 @@ def test_expert_parallel_to_a_different_expert_split():
     src = expert_parallel(EXPERTS, [0, 1, 2, 3], num_experts=8)
     dst = expert_parallel(EXPERTS, [10, 11], num_experts=8)
     _assert_exact(run_case(src, dst, {0: 0, 1: 0, 2: 1, 3: 1, 10: 2, 11: 1}), 3)
+
+
+def test_a_source_rank_holding_several_boxes_of_one_tensor_sends_each():
+    """A Megatron TP rank's Mamba in_proj is its piece of each of z, x, B, C, dt: several boxes
+    of one HF tensor (models/megatron/nemotron_h_refit.py). Here rank 0 holds rows 0-4 and
+    8-12, rank 1 rows 4-8 and 12-16, into a tp=2 and a tp=1 destination."""
+    name, (shape, dtype) = "model.layers.0.self_attn.q_proj.weight", SPECS["model.layers.0.self_attn.q_proj.weight"]
+    src = Layout()
+    src.add(name, shape, dtype, [Piece(0, (0, 0), (4, 16)), Piece(0, (8, 0), (12, 16)),
+                                 Piece(1, (4, 0), (8, 16)), Piece(1, (12, 0), (16, 16))])
+    specs = {name: (shape, dtype)}
+    dst = merge(tensor_parallel(specs, [10, 11]), tensor_parallel(specs, [12]))
+    _assert_exact(run_case(src, dst, {0: 0, 1: 1, 10: 1, 11: 2, 12: 2}), 3)
 
 
 @pytest.mark.parametrize("kind", ["torch", "nixl"])

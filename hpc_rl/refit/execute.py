@@ -43,7 +43,8 @@ class Holdings:
     """The tensors one process holds, by layout rank and HF name, with the global start of
     the box each one covers. Sources are read; destinations are written."""
 
-    src: Dict[int, Dict[str, Tuple[Start, torch.Tensor]]] = field(default_factory=dict)
+    # name -> (start, tensor), or a list of them when a rank holds a tensor in several boxes
+    src: Dict[int, Dict[str, object]] = field(default_factory=dict)
     dst: Dict[int, Dict[str, List[Tuple[Start, torch.Tensor]]]] = field(default_factory=dict)
 
     @staticmethod
@@ -118,8 +119,15 @@ class RefitWalk:
     # --------------------------------------------------------------------------- preparation
     def _src_view(self, t: Transfer) -> torch.Tensor:
         if t.stage == 0:
-            start, tensor = self.holdings.src[t.src][t.name]
-            return box_view(tensor, start, t.start, t.stop)
+            held = self.holdings.src[t.src][t.name]
+            # one box, or several boxes of one tensor (a Megatron rank's Mamba in_proj holds
+            # its piece of each of z, x, B, C, dt: models/megatron/nemotron_h_refit.py)
+            for start, tensor in held if isinstance(held, list) else [held]:
+                stop = tuple(s + n for s, n in zip(start, tensor.shape))
+                if all(s <= a and b <= e for s, a, b, e in zip(start, t.start, t.stop, stop)):
+                    return box_view(tensor, start, t.start, t.stop)
+            raise RefitError(f"{t.name}: rank {t.src} holds no source box containing {t.start}..{t.stop}; the "
+                             "plan and the source tensors disagree")
         return self._dst_view(t.src, t)[1]  # a forward reads what its landing rank received
 
     def _dst_view(self, rank: int, t: Transfer) -> Tuple[tuple, torch.Tensor]:

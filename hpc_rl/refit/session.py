@@ -79,7 +79,8 @@ class RefitEndpoint:
         """New source tensors for the next refit. Only when they are other tensors than the
         prepared ones (a cast copy, a reloaded model) is the walk prepared again."""
         def ptrs(s):
-            return {(r, n): t.data_ptr() for r, d in s.items() for n, (_, t) in d.items()}
+            return {(r, n): tuple(t.data_ptr() for _, t in (b if isinstance(b, list) else [b]))
+                    for r, d in s.items() for n, b in d.items()}
 
         if ptrs(sources) != ptrs(self.sources):
             self.sources = sources

@@ -31,7 +31,9 @@ import torch
 from hpc_rl.refit.layout import Layout, LayoutError, Piece, merge
 from hpc_rl.refit.vllm_layout import vllm_tp_layout
 
+from . import nemotron_h_mapping, nemotron_h_refit
 from .hf_mapping import ModelDims, Style, _layer_names, hf_to_megatron, split_qkv
+from .nemotron_h_mapping import NemotronHDims
 from .shards import Parallel, coords_of, local_state, stage_layers
 
 Start = Tuple[int, ...]
@@ -47,7 +49,10 @@ def _zeros(t: torch.Tensor) -> Start:
 def local_hf_shards(local: Mapping[str, torch.Tensor], d: ModelDims, s: Style, p: Parallel, rank: int
                     ) -> Dict[str, Tuple[Start, torch.Tensor]]:
     """This rank's Megatron tensors (local names) as HF-named boxes: name -> (global
-    start, tensor). Views where the rows are contiguous, small copies for q/k/v."""
+    start, tensor). Views where the rows are contiguous, small copies for q/k/v. Nemotron-H:
+    nemotron_h_refit.local_hf_shards (a mixer's in_proj / conv1d as a list of boxes)."""
+    if isinstance(d, NemotronHDims):
+        return nemotron_h_refit.local_hf_shards(local, d, s, p, rank)
     c = coords_of(rank, p)
     out: Dict[str, Tuple[Start, torch.Tensor]] = {}
     first = stage_layers(d.num_layers, p.pp, c.pp).start
@@ -114,7 +119,8 @@ def megatron_layout(specs: Specs, d: ModelDims, s: Style, p: Parallel, ranks: Op
     ranks = list(ranks) if ranks is not None else list(range(p.world))
     if len(ranks) != p.world:
         raise LayoutError(f"{len(ranks)} trainer ranks for a Megatron mesh of {p.world}")
-    whole = hf_to_megatron(_meta(specs), d, s)
+    convert = nemotron_h_mapping.hf_to_megatron if isinstance(d, NemotronHDims) else hf_to_megatron
+    whole = convert(_meta(specs), d, s)
     lay = Layout()
     by_key: Dict[tuple, Dict[str, Tuple[Start, torch.Tensor]]] = {}
     for i, rank in enumerate(ranks):
@@ -122,9 +128,10 @@ def megatron_layout(specs: Specs, d: ModelDims, s: Style, p: Parallel, ranks: Op
         key = (c.tp, c.pp, c.etp, c.ep)  # cp, dp and expert-dp replicas hold the same boxes
         if key not in by_key:
             by_key[key] = local_hf_shards(local_state(whole, d, p, i), d, s, p, i)
-        for name, (start, t) in by_key[key].items():
+        for name, boxes in by_key[key].items():
             shape, dtype = specs[name]
-            lay.add(name, shape, dtype, [Piece(rank, tuple(start), tuple(a + n for a, n in zip(start, t.shape)))])
+            lay.add(name, shape, dtype, [Piece(rank, tuple(start), tuple(a + n for a, n in zip(start, t.shape)))
+                                         for start, t in nemotron_h_refit.pieces(boxes)])
     return lay
 
 
