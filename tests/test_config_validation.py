@@ -149,7 +149,7 @@ UNSUPPORTED = [
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
     (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2, qwen3_moe and nemotron_h checkpoints only"),
-    (ULTRA, "model.architecture", "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model"),
+    (ULTRA + ["model.architecture=gpt2"], "model.architecture", "converts llama, qwen2, qwen3, qwen3_moe, nemotron_h"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "only for an MoE student"),
 ]
@@ -168,18 +168,17 @@ def test_shipped_runnable_recipes_ask_for_nothing_unsupported(recipe):
     assert unsupported(load_config([f"+recipe={recipe}"])) == []
 
 
-def test_the_flagship_plans_and_lists_what_this_version_cannot_run():
+def test_the_flagship_plans_and_lists_nothing_this_version_cannot_run():
     from hpc_rl.plan import build_plan
 
     cfg = load_config(ULTRA)
     assert build_plan(cfg).total_nodes == 224
-    keys = {v.key for v in unsupported(cfg)}
     # trainer.backend=megatron on GB200 honours the trainer's and teachers' parallel layout (#16); async with
-    # in-flight weight updates runs (#15)
-    # the generator's TP-8 x EP-8 engines span 8 tasks (#14): only the Nemotron-H checkpoint is refused
-    assert keys == {"model.architecture"}, keys
-    text = render_unsupported(unsupported(cfg))
-    assert text.startswith("settings this version cannot run yet") and "nemotron_h" in text
+    # in-flight weight updates runs (#15); the generator's TP-8 x EP-8 engines span 8 tasks (#14); Nemotron-H
+    # is a megatron architecture (#25): nothing is refused
+    assert unsupported(cfg) == []
+    text = render_unsupported(unsupported(load_config(ULTRA + ["model.architecture=gpt2"])))
+    assert text.startswith("settings this version cannot run yet") and "gpt2" in text
     assert render_unsupported([]) == ""
 
 

@@ -98,18 +98,59 @@ def _ultra_with(checkpoint: str, tmp_path: Path, *extra: str) -> list:
             *[f"teachers.{t}.checkpoint={checkpoint}" for t in ULTRA_TEACHERS], *extra]
 
 
-def test_the_flagship_with_checkpoints_present_is_refused_for_no_generator_reason(tmp_path, capsys):
-    from hpc_rl.launch import main
+def _nemotron_h_stand_in(path: Path) -> str:
+    """A Nemotron-H stand-in (config, tokenizer config, an empty weights file) whose layers,
+    Mamba heads and groups, attention heads and experts split over the flagship's layouts
+    (trainer tp 8 x cp 32 x ep 64, teachers tp 8 x cp 2 x ep 16, engines TP 8 / EP 8). Made
+    up in the shape of NVIDIA's published Nemotron-H configs, not Ultra's own numbers."""
+    pattern = "MEMEMEM*E" * 4 + "MEMEM*EM"
+    path.mkdir(parents=True)
+    path.joinpath("config.json").write_text(json.dumps({
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hybrid_override_pattern": pattern,
+        "num_hidden_layers": len(pattern), "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 128, "mamba_num_heads": 256, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+        "conv_kernel": 4, "chunk_size": 128, "intermediate_size": 16384, "n_routed_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+        "moe_shared_expert_intermediate_size": 4096, "moe_latent_size": 1024, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 131072, "tie_word_embeddings": False}))
+    path.joinpath("tokenizer_config.json").write_text("{}")
+    path.joinpath("model.safetensors").write_bytes(b"")
+    return str(path)
 
-    ckpt = _stand_in(tmp_path / "nemotron_h", "NemotronHForCausalLM", "nemotron_h", "n_routed_experts")
-    code = main(_ultra_with(ckpt, tmp_path))
+
+@pytest.mark.parametrize("cluster", ["gb200_nvl72", "h100"])
+def test_the_flagship_with_nemotron_h_checkpoints_passes_every_check(tmp_path, capsys, cluster):
+    """Issue #25: `+recipe=ultra_mopd launcher=slurm` with Nemotron-H checkpoints of the
+    flagship's family leaves no key refused, and its dry run lists nothing this version
+    cannot run (the submission itself is not made here)."""
+    from hpc_rl.launch import main
+    from hpc_rl.launchers.runnable import check_runnable
+
+    ckpt = _nemotron_h_stand_in(tmp_path / "nemotron_h")
+    extra = ["cluster=h100", "trainer.nodes=32"] if cluster == "h100" else []
+    cfg = load_config(_ultra_with(ckpt, tmp_path, "model.num_experts=128", *extra))
+    check_runnable(cfg)  # raises ConfigError naming anything this version would refuse
+    assert (cfg.trainer.backend, cfg.model.architecture) == ("megatron", "nemotron_h")
+    dry = ["+recipe=ultra_mopd", f"model.path={ckpt}", "model.num_experts=128", f"run.dir={tmp_path / 'dry'}",
+           *[f"teachers.{t}.checkpoint={ckpt}" for t in ULTRA_TEACHERS], *extra]
+    assert main(dry) == 0
     text = capsys.readouterr()
-    text = text.out + text.err
-    assert code == 2 and "nothing was submitted" in text
-    refused = re.findall(r"^  - ([\w.]+) = ", text, flags=re.M)
-    # its Nemotron-H checkpoints are what this version cannot run; its TP-8 x EP-8 engines are not
-    assert "model.architecture" in refused and not [k for k in refused if k.startswith("generator.")], refused
-    assert not (tmp_path / "run").exists()
+    assert "cannot run yet" not in text.out + text.err
+
+
+def test_the_flagships_mamba_layout_is_checked_against_its_checkpoint_before_submission(tmp_path):
+    """A checkpoint whose Mamba groups do not split over the trainer's tensor parallel is
+    refused at launch, naming the rule megatron-core would assert on at start-up."""
+    from hpc_rl.config import ConfigError
+    from hpc_rl.launchers.runnable import check_runnable
+
+    ckpt = Path(_nemotron_h_stand_in(tmp_path / "nemotron_h"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, n_groups=4)))
+    with pytest.raises(ConfigError) as info:
+        check_runnable(load_config(_ultra_with(str(ckpt), tmp_path, "model.num_experts=128")))
+    found = [v for v in info.value.violations if v.key == "trainer.parallel"]
+    assert found and "must divide the 4 Mamba groups" in found[0].problem, [v.render() for v in info.value.violations]
 
 
 def test_the_flagships_shape_passes_every_check_with_an_moe_checkpoint_of_a_supported_architecture(tmp_path):

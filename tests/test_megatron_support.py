@@ -66,13 +66,18 @@ def test_fsdp2_refusals_come_back_when_the_backend_is_fsdp2():
     assert "trainer.parallel.tp" not in keys and "trainer.sequence_parallel" not in keys
 
 
-def test_nemotron_h_is_refused_on_megatron_with_what_is_missing():
-    v = [v for v in unsupported(load_config(ULTRA)) if v.key == "model.architecture"]
-    assert v and "Mamba" in v[0].problem and "qwen3_moe" in v[0].fix
+@pytest.mark.parametrize("cluster", ["gb200_nvl72", "h100"])
+def test_the_flagship_leaves_nothing_refused_on_megatron_gpu_clusters(cluster):
+    """Issue #25: Nemotron-H (model.architecture=nemotron_h) is a megatron architecture now."""
+    extra = ["trainer.nodes=32"] if cluster == "h100" else []
+    cfg = load_config(ULTRA + [f"cluster={cluster}"] + extra)
+    assert cfg.model.architecture == "nemotron_h" and unsupported(cfg) == []
+    v = [v for v in unsupported(load_config(ULTRA + ["model.architecture=gpt2"])) if v.key == "model.architecture"]
+    assert v and "nemotron_h" in v[0].fix
 
 
 def test_the_rules_and_the_registry_agree_with_the_mapping():
-    assert set(MEGATRON_ARCHITECTURES) == set(ARCHITECTURES)
+    assert set(MEGATRON_ARCHITECTURES) == set(ARCHITECTURES) | {"nemotron_h"}  # + models/megatron/nemotron_h_mapping.py
     assert "megatron" in available()
 
 

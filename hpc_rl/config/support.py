@@ -75,9 +75,10 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
 # expert parallel (models/parallel/expert_parallel.py, expert_families.py) splits their experts;
 # a dense nemotron_h has none (model.num_experts null: rl/inputs.py checks it against the checkpoint)
 MOE_ARCHITECTURES = ("qwen3_moe", "nemotron_h")
-# ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES, compared by
-# tests/test_megatron_support.py). Nemotron-H (hybrid Mamba-MoE) is not among them: docs/megatron.md.
-MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES plus Nemotron-H,
+# megatron-core's hybrid MambaModel: models/megatron/nemotron_h_mapping.py; compared by
+# tests/test_megatron_support.py). rl/inputs.py checks a checkpoint's shapes against the mesh.
+MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "nemotron_h")
 
 
 def _fsdp2(cfg: RunConfig) -> bool:
@@ -165,12 +166,11 @@ RULES: List[Rule] = [
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
          example="gpt2", applies=_fsdp2),
     Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,
-         f"the megatron backend of this version converts {', '.join(MEGATRON_ARCHITECTURES)} checkpoints only; "
-         "Nemotron-H (nemotron_h) needs Megatron's hybrid Mamba model and a mapping of its Mamba, "
-         "attention and MoE layers, which this version does not have (docs/megatron.md)",
+         f"the megatron backend of this version converts {', '.join(MEGATRON_ARCHITECTURES)} checkpoints only "
+         "(docs/megatron.md)",
          f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
-         # a GPU cluster: megatron is refused on CPU clusters (validate.py), and fsdp2 now loads nemotron_h
-         example="nemotron_h", applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
+         # a GPU cluster: megatron is refused on CPU clusters (validate.py)
+         example="gpt2", applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
     Rule("algo.ref_kl_coef", lambda v: v != 0,
          "this version has no reference model and no KL penalty against it; the coefficient would be ignored",
          "set algo.ref_kl_coef=0.0", example=0.1),

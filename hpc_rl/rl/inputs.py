@@ -112,6 +112,30 @@ def _check_nemotron_h(out: List[Violation], key: str, path: str, parallel) -> No
                                  "or trainer.backend=megatron on a GPU cluster"))
 
 
+def _check_megatron_layout(out: List[Violation], key: str, path: str, section, cluster, sequence_parallel: bool,
+                           max_seq_len: int) -> None:
+    """The megatron backend's shape rules (heads, Mamba heads and groups, widths and experts
+    over the role's mesh: models/megatron/config_map.check) for this checkpoint, before
+    submission; the backend checks again at start-up with what the node has installed
+    (Transformer Engine is assumed here: the gpu extra and the container image carry it)."""
+    import json
+
+    from hpc_rl.config.resources import tasks_per_node
+    from hpc_rl.models.megatron.config_map import check, parallel_of
+    from hpc_rl.models.megatron.hf_mapping import MappingError
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    try:
+        problem = check(config, parallel_of(section, section.nodes * tasks_per_node(section, cluster)),
+                        sequence_parallel, max_seq_len)
+    except (MappingError, KeyError) as e:
+        problem = f"its config cannot be mapped to megatron-core: {e}"
+    if problem:
+        out.append(Violation(f"{key}.parallel", section.parallel.tp,
+                             f"{path} on the megatron backend: {problem}",
+                             f"choose {key}.parallel sizes that split this checkpoint (docs/megatron.md)"))
+
+
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
     """A vLLM engine of tensor parallel `tp` gives each worker whole attention and key/value
     heads and an equal slice of the MLP (the refit's destination layout splits them evenly;
@@ -210,13 +234,16 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     """Resolve and check everything an RL run reads; returns the config with model references
     resolved, and the dataset. Raises ConfigError listing every problem."""
     out: List[Violation] = []
-    fsdp2 = cfg.trainer.backend == "fsdp2"  # megatron: config/support.py refuses nemotron_h itself
+    fsdp2 = cfg.trainer.backend == "fsdp2"  # megatron: its own shape rules (_check_megatron_layout)
     resolved = _check_model(out, "model.path", cfg.model.path)
     if resolved:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
         if fsdp2:
             _check_nemotron_h(out, "trainer", resolved, cfg.trainer.parallel)
+        else:
+            _check_megatron_layout(out, "trainer", resolved, cfg.trainer, cfg.cluster, cfg.trainer.sequence_parallel,
+                                   cfg.trainer.max_seq_len)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         out.extend(engine_problems(cfg, resolved))
         _check_experts(out, cfg)
@@ -227,6 +254,9 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
             _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
             if fsdp2:
                 _check_nemotron_h(out, f"teachers.{alias}", p, t.parallel)
+            else:
+                # an inference-only teacher with tp > 1 runs sequence parallel (MegatronBackend)
+                _check_megatron_layout(out, f"teachers.{alias}", p, t, cfg.cluster, True, cfg.trainer.max_seq_len)
 
     dataset: Optional[PromptDataset] = None
     try:

@@ -28,9 +28,11 @@ import torch.distributed as dist
 from hpc_rl.runtime import sealed
 from hpc_rl.models.backend import BackendSpec, LossFn, Shards, parallel_sizes
 
-from . import config_map
-from .hf_mapping import ModelDims, Style, hf_to_megatron, padded_vocab
-from .loading import have_te, lr_at, meta_hf_model, read_hf
+from . import config_map, nemotron_h_mapping
+from .hf_mapping import Style, hf_to_megatron, padded_vocab
+from .nemotron_h_mapping import NemotronHDims, dims_of
+from .nemotron_h_refit import pieces
+from .loading import check_hybrid_packages, have_te, lr_at, meta_hf_model, read_hf
 from .refit_layout import local_hf_shards, megatron_layout
 from .shards import Parallel, coords_of, local_state, mesh_groups
 from .vocab_parallel import vocab_parallel_logprobs
@@ -57,13 +59,20 @@ class MegatronBackend:
         inner = sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)
         self.p = Parallel(dp=len(self.ranks) // inner, **sizes)
         self.c = coords_of(self.me, self.p)
-        self.sp = bool(getattr(train, "sequence_parallel", False)) and self.p.tp > 1
+        # the student follows trainer.sequence_parallel; an inference-only teacher with tp > 1
+        # always shards its tokens (megatron-core refuses MoE layers with tp > 1 without it, and
+        # it only changes where the norms' activations live)
+        self.sp = (bool(getattr(train, "sequence_parallel", False)) if train is not None else True) and self.p.tp > 1
         self.max_seq_len = getattr(train, "max_seq_len", 4096)
         hf_cfg, hf_state = read_hf(path)
-        self.dims = ModelDims.from_hf_config(hf_cfg)
-        problem = config_map.check(hf_cfg, self.p, self.sp, self.max_seq_len)
+        self.dims = dims_of(hf_cfg)
+        te = have_te()
+        problem = config_map.check(hf_cfg, self.p, self.sp, self.max_seq_len, te=te)
         if problem:
             raise ValueError(f"{path} on the megatron backend: {problem}")
+        self.hybrid = isinstance(self.dims, NemotronHDims)
+        if self.hybrid:
+            check_hybrid_packages(te)
         self.pgs = self._groups()
         from megatron.core import parallel_state
 
@@ -71,7 +80,6 @@ class MegatronBackend:
         # (no process group involved); Megatron's own initialisation would have set it
         if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
             parallel_state._set_global_memory_buffer()
-        te = have_te()
         if self.p.cp > 1 and not te:
             raise ValueError("context parallel > 1 on the megatron backend needs Transformer Engine's attention: "
                              "install the gpu extra (transformer-engine) or set the role's parallel.cp=1")
@@ -79,10 +87,20 @@ class MegatronBackend:
         tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=self.c.tp, ep_rank=self.c.ep, etp_rank=self.c.etp)
         self.tcfg = config_map.transformer_config(config_map.transformer_kwargs(hf_cfg, self.p, self.sp, precision, te=te))
         self.first, self.last = self.c.pp == 0, self.c.pp == self.p.pp - 1
-        core = GPTModel(self.tcfg, config_map.layer_spec(self.tcfg, te), pre_process=self.first, post_process=self.last,
-                        pg_collection=self.pgs, **config_map.model_kwargs(hf_cfg, self.p, self.max_seq_len))
+        if self.hybrid:  # megatron-core's hybrid stack: Mamba-2, attention, MLP and MoE layers by pattern
+            from megatron.core.models.mamba import MambaModel
+            from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+            core = MambaModel(self.tcfg, mamba_stack_spec, pre_process=self.first, post_process=self.last,
+                              pg_collection=self.pgs, **config_map.model_kwargs(hf_cfg, self.p, self.max_seq_len))
+        else:
+            core = GPTModel(self.tcfg, config_map.layer_spec(self.tcfg, te), pre_process=self.first,
+                            post_process=self.last, pg_collection=self.pgs,
+                            **config_map.model_kwargs(hf_cfg, self.p, self.max_seq_len))
         core.to(self.device)
-        self.hf_specs = {n: (tuple(t.shape), t.dtype) for n, t in hf_state.items() if not (self.dims.tied and n == "lm_head.weight")}
+        # MTP layers (Nemotron-H) are not trained: the HF export carries them over (ckpt/carry.py)
+        self.hf_specs = {n: (tuple(t.shape), t.dtype) for n, t in hf_state.items()
+                         if not (self.dims.tied and n == "lm_head.weight") and not n.startswith("mtp.")}
         self._load(core, hf_state)
         del hf_state
         self.core = core
@@ -115,7 +133,8 @@ class MegatronBackend:
         return pgs
 
     def _load(self, core, hf_state) -> None:
-        whole = hf_to_megatron(hf_state, self.dims, self.style)
+        convert = nemotron_h_mapping.hf_to_megatron if self.hybrid else hf_to_megatron
+        whole = convert(hf_state, self.dims, self.style)
         local = local_state(whole, self.dims, self.p, self.me)
         missing, unexpected = core.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -341,18 +360,22 @@ class MegatronBackend:
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
         state = {k: v for k, v in self.core.state_dict().items() if isinstance(v, torch.Tensor)}
         out = local_hf_shards(state, self.dims, self.style, self.p, self.me)
-        if dtype is not None:
-            out = {k: (s, t.to(dtype)) for k, (s, t) in out.items()}
-        return {k: (s, t.detach()) for k, (s, t) in out.items()}
+
+        def ready(boxes):  # one box, or a Mamba in_proj / conv1d held as several (nemotron_h_refit.py)
+            done = [(s, (t if dtype is None else t.to(dtype)).detach()) for s, t in pieces(boxes)]
+            return done if isinstance(boxes, list) else done[0]
+
+        return {k: ready(b) for k, b in out.items()}
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every HF weight, whole, on CPU, on every rank (a gather of all ranks' boxes)."""
-        mine = {k: (s, t.cpu()) for k, (s, t) in self.local_shards().items()}
+        mine = {k: [(s, t.cpu()) for s, t in pieces(b)] for k, b in self.local_shards().items()}
         everyone: List[Any] = sealed.all_gather(mine, self.pgs_world())
         out = {n: torch.empty(shape, dtype=dt) for n, (shape, dt) in self.hf_specs.items()}
         for boxes in everyone:
-            for n, (s, t) in boxes.items():
-                out[n][tuple(slice(a, a + k) for a, k in zip(s, t.shape))] = t.to(out[n].dtype)
+            for n, held in boxes.items():
+                for s, t in held:
+                    out[n][tuple(slice(a, a + k) for a, k in zip(s, t.shape))] = t.to(out[n].dtype)
         return out
 
     def pgs_world(self):
@@ -388,3 +411,4 @@ class MegatronBackend:
             mine = optim[f"rank{self.me}"]
             self.optimizer.load_state_dict(mine["common"])
             self.optimizer.load_parameter_state_from_dp_reshardable(mine["param_state"])
+

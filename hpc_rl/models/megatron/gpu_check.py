@@ -10,10 +10,15 @@ engine's sampled tokens' log-probs are compared with the backend's:
   hf_vs_megatron token_mult_prob_error   <= 1.05 (bf16 kernels differ: TE vs eager HF)
   vllm_vs_megatron token_mult_prob_error <= 1.01 (after the refit, bf16)
 
+With `--model nemotron_h` the checkpoint is a dense hybrid Nemotron-H (M*M-, shapes the
+mamba-ssm kernels take: hidden 256, attention head_dim 64, 8 Mamba heads of 32, 2 groups,
+state 64, chunk 128) built by megatron-core as MambaModel (issue #25); that needs Transformer
+Engine, mamba-ssm and causal-conv1d on the node, and the JSON names what is missing.
+
 Results go to --out (bench/results/megatron_gpu.json) whatever happens, with the failing
 stage named. Without CUDA it writes {"ran": false, ...} and exits 3.
 
-    python -m hpc_rl.models.megatron.gpu_check [--out PATH]
+    python -m hpc_rl.models.megatron.gpu_check [--model llama|nemotron_h] [--out PATH]
 """
 
 from __future__ import annotations
@@ -44,21 +49,31 @@ def _sft_batch(tok):
     return _batch(tok, addition(16, seed=5))
 
 
-def run(out: dict, tmp: Path) -> None:
+def _spec(model: str):
+    from hpc_rl.models.assets import ModelSpec, NemotronHModelSpec
+
+    if model == "nemotron_h":
+        return NemotronHModelSpec(hidden=256, pattern="M*M-", heads=4, mamba_heads=8, mamba_head_dim=32, n_groups=2,
+                                  ssm_state=64, chunk=128, intermediate=512, max_positions=256)
+    return ModelSpec(hidden=256, intermediate=512, layers=2, heads=4, max_positions=256)
+
+
+def run(out: dict, tmp: Path, model: str = "llama") -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_rl.algo.metrics import token_mult_prob_error
     from hpc_rl.config.schema import OptimizerConfig, TrainerConfig
-    from hpc_rl.models.assets import ModelSpec, save_untrained
+    from hpc_rl.models.assets import save_untrained
     from hpc_rl.models.fsdp2 import token_logprobs
     from hpc_rl.models.backend import parallel_sizes
     from hpc_rl.models.megatron.backend import MegatronBackend
     from hpc_rl.models.megatron.loading import have_te
 
     out["stage"] = "build checkpoint"
-    ckpt = save_untrained(tmp / "tiny", ModelSpec(hidden=256, intermediate=512, layers=2, heads=4, max_positions=256), seed=0)
+    out["model"] = model
+    ckpt = save_untrained(tmp / "tiny", _spec(model), seed=0)
     tok = AutoTokenizer.from_pretrained(ckpt)
     out["transformer_engine"] = have_te()
     torch.cuda.set_device(0)
@@ -119,6 +134,7 @@ def run(out: dict, tmp: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["llama", "nemotron_h"], default="llama")
     ap.add_argument("--out", default="bench/results/megatron_gpu.json")
     args = ap.parse_args()
     import torch
@@ -132,7 +148,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             with tempfile.TemporaryDirectory(prefix="hpc_rl_mcore_") as tmp:
-                run(out, Path(tmp))
+                run(out, Path(tmp), args.model)
         except BaseException as exc:  # the JSON says where it stopped
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["traceback"] = traceback.format_exc()[-4000:]

@@ -50,3 +50,17 @@ def meta_hf_model(path: str):
         pass
     return m
 
+
+def check_hybrid_packages(te: bool) -> None:
+    """Nemotron-H on megatron-core 0.16.1: its MambaModel stack spec is built of Transformer
+    Engine modules, and its Mamba mixer runs mamba-ssm's and causal-conv1d's kernels."""
+    missing = [] if te else ["transformer-engine"]
+    for module, package in (("mamba_ssm", "mamba-ssm"), ("causal_conv1d", "causal-conv1d")):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise ValueError(f"Nemotron-H on the megatron backend needs {', '.join(missing)} on this node (megatron-core's "
+                         "MambaModel: Transformer Engine layers, mamba-ssm/causal-conv1d kernels): install the gpu "
+                         "extra (pip install --no-build-isolation -e '.[gpu]') or use the container image")
