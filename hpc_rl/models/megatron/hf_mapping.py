@@ -123,6 +123,24 @@ def _pad_rows(t: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
 
 
+def taker(src: Dict[str, torch.Tensor], where: str):
+    """`take(name)`: src.pop(name), or MappingError naming the tensor missing from `where`.
+    What is left in `src` afterwards has no counterpart (the converters say so)."""
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise MappingError(f"{name}: missing from {where}")
+        return src.pop(name)
+    return take
+
+
+def vocab_rows(tp_rank: int, local: torch.Tensor, vocab: int) -> Optional[Tuple[int, torch.Tensor]]:
+    """A tensor-parallel rank's block of the padded vocabulary clipped to the real rows:
+    (first row, rows), or None for a rank holding only padding (it sends nothing)."""
+    a = tp_rank * local.shape[0]
+    b = min(a + local.shape[0], vocab)
+    return (a, local[: b - a]) if b > a else None
+
+
 # ------------------------------------------------------------------------------- names
 
 def _layer_names(d: ModelDims, s: Style, i: int) -> Dict[str, str]:
@@ -180,11 +198,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], d: ModelDims, s: Style = Styl
     Raises MappingError naming every HF tensor left over or missing."""
     src = dict(split_fused_experts(hf))
     out: Dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise MappingError(f"{name}: missing from the checkpoint ({d.arch}, {d.num_layers} layers)")
-        return src.pop(name)
+    take = taker(src, f"the checkpoint ({d.arch}, {d.num_layers} layers)")
 
     out["embedding.word_embeddings.weight"] = _pad_rows(take("model.embed_tokens.weight"), s.padded_vocab)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
@@ -219,11 +233,7 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], d: ModelDims, s: Style = Styl
     dropped; `_extra_state` entries (Transformer Engine's fp8 metadata) are skipped."""
     src = {k: v for k, v in mc.items() if not k.endswith("_extra_state")}
     out: Dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise MappingError(f"{name}: missing from the Megatron state dict")
-        return src.pop(name)
+    take = taker(src, "the Megatron state dict")
 
     out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")[: d.vocab]
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")

@@ -36,7 +36,7 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
-from .hf_mapping import MappingError, ModelDims, Style, _pad_rows, interleave_qkv, split_qkv
+from .hf_mapping import MappingError, ModelDims, Style, _pad_rows, interleave_qkv, split_qkv, taker
 
 # transformers 5 writes `layers_block_type`, NVIDIA's checkpoints `hybrid_override_pattern`
 BLOCK_LETTERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
@@ -171,11 +171,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], d: NemotronHDims, s: Style = 
     src = {k: v for k, v in split_fused_experts_nh(hf).items() if not k.startswith("mtp.")}
     body = _body(src)
     out: Dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise MappingError(f"{name}: missing from the checkpoint (nemotron_h, pattern {d.pattern})")
-        return src.pop(name)
+    take = taker(src, f"the checkpoint (nemotron_h, pattern {d.pattern})")
 
     out["embedding.word_embeddings.weight"] = _pad_rows(take(f"{body}.embeddings.weight"), s.padded_vocab)
     out["decoder.final_norm.weight"] = take(f"{body}.norm_f.weight")
@@ -205,11 +201,7 @@ def megatron_to_hf(mc: Mapping[str, torch.Tensor], d: NemotronHDims, s: Style = 
     expert), vocabulary padding dropped; `_extra_state` entries are skipped."""
     src = {k: v for k, v in mc.items() if not k.endswith("_extra_state")}
     out: Dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise MappingError(f"{name}: missing from the Megatron state dict")
-        return src.pop(name)
+    take = taker(src, "the Megatron state dict")
 
     out[f"{body}.embeddings.weight"] = take("embedding.word_embeddings.weight")[: d.vocab]
     out[f"{body}.norm_f.weight"] = take("decoder.final_norm.weight")

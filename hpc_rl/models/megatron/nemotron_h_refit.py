@@ -19,7 +19,7 @@ import torch
 
 from hpc_rl.refit.layout import LayoutError
 
-from .hf_mapping import Style, split_qkv
+from .hf_mapping import Style, split_qkv, vocab_rows
 from .nemotron_h_mapping import NemotronHDims, layer_renames
 from .shards import Parallel, _kind, coords_of, stage_layers
 
@@ -64,10 +64,9 @@ def local_hf_shards(local: Mapping[str, torch.Tensor], d: NemotronHDims, s: Styl
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             if name == "output_layer.weight" and d.tied:
                 continue
-            a = c.tp * t.shape[0]
-            b = min(a + t.shape[0], d.vocab)
-            if b > a:  # a rank holding only vocabulary padding sends nothing
-                out[f"{body}.embeddings.weight" if name.startswith("embedding") else "lm_head.weight"] = ((a, 0), t[: b - a])
+            rows = vocab_rows(c.tp, t, d.vocab)
+            if rows:
+                out[f"{body}.embeddings.weight" if name.startswith("embedding") else "lm_head.weight"] = ((rows[0], 0), rows[1])
             continue
         if name == "decoder.final_norm.weight":
             out[f"{body}.norm_f.weight"] = ((0,), t)

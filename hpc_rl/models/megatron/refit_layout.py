@@ -32,7 +32,7 @@ from hpc_rl.refit.layout import Layout, LayoutError, Piece, merge
 from hpc_rl.refit.vllm_layout import vllm_tp_layout
 
 from . import nemotron_h_mapping, nemotron_h_refit
-from .hf_mapping import ModelDims, Style, _layer_names, hf_to_megatron, split_qkv
+from .hf_mapping import ModelDims, Style, _layer_names, hf_to_megatron, split_qkv, vocab_rows
 from .nemotron_h_mapping import NemotronHDims
 from .shards import Parallel, coords_of, local_state, stage_layers
 
@@ -63,11 +63,9 @@ def local_hf_shards(local: Mapping[str, torch.Tensor], d: ModelDims, s: Style, p
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             if name == "output_layer.weight" and d.tied:
                 continue  # the tied model's copy: HF has one tensor, the embedding
-            a = c.tp * t.shape[0]
-            b = min(a + t.shape[0], d.vocab)
-            if b > a:
-                hf = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
-                out[hf] = ((a, 0), t[: b - a])
+            rows = vocab_rows(c.tp, t, d.vocab)  # None: a rank holding only vocabulary padding sends nothing
+            if rows:
+                out["model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"] = ((rows[0], 0), rows[1])
             continue
         if name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = (_zeros(t), t)
