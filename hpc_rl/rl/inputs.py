@@ -45,7 +45,7 @@ def resolve_model_ref(ref: str) -> str:
 
 
 def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional[str]:
-    from hpc_rl.models.fsdp2 import CheckpointError, check_checkpoint
+    from hpc_rl.models.checkpoint_check import CheckpointError, check_checkpoint
 
     if not ref:
         out.append(Violation(key, ref, "the RL loop needs a checkpoint here",
