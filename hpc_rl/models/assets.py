@@ -23,9 +23,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher resolves tiny:<name> without it
+    import torch
 
 from hpc_rl.data import tasks as task_gen
 
@@ -197,6 +198,8 @@ def encode_sft(tok, sample: dict) -> Tuple[List[int], List[int]]:
 
 def _batch(tok, samples: Sequence[dict], encode: Callable = encode_sft) -> Dict[str, torch.Tensor]:
     """Right-padded (input ids, labels) of `encode(tok, sample)` for each sample."""
+    import torch
+
     encoded = [encode(tok, s) for s in samples]
     width = max(len(ids) for ids, _ in encoded)
     ids = torch.full((len(encoded), width), tok.pad_token_id, dtype=torch.long)
@@ -210,6 +213,8 @@ def _batch(tok, samples: Sequence[dict], encode: Callable = encode_sft) -> Dict[
 
 
 def new_model(spec, vocab_size: int, tok, seed: int):
+    import torch
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -275,6 +280,8 @@ def train_steps(model, batch_at: Callable[[int], Dict[str, torch.Tensor]], steps
                 log: Callable[[str], None] = print, **model_kwargs) -> float:
     """`steps` AdamW steps (one-cycle schedule, gradients clipped to 1) on `batch_at(step)`;
     returns the last loss. The tiny assets' one training loop (this module, agentic/teacher.py)."""
+    import torch
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
@@ -306,19 +313,21 @@ def sft(model, tok, train: TrainSpec, log: Callable[[str], None] = print) -> flo
     return train_steps(model, batch_at, train.steps, train.lr, log, **moe_kwargs)
 
 
-@torch.no_grad()
 def greedy_accuracy(model, tok, task: str, n: int, seed: int = 10_000) -> float:
     """Held-out greedy accuracy on a task (exact answer before <|end|>)."""
+    import torch
+
     from hpc_rl.envs.registry import score
 
     samples = task_gen.GENERATORS[task](n, seed=seed)
     end = tok.convert_tokens_to_ids("<|end|>")
     correct = 0
-    for s in samples:
-        ids = torch.tensor([chat_prompt(tok, s["prompt"])])
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=end, pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        correct += score(s["task"], text, s["answer"]).correct  # the generator's name may differ from the task's
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([chat_prompt(tok, s["prompt"])])
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=end, pad_token_id=tok.pad_token_id)
+            text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            correct += score(s["task"], text, s["answer"]).correct  # the generator's name may differ from the task's
     return correct / n
 
 
@@ -353,6 +362,8 @@ def build_assets(spec: AssetSpec = AssetSpec(), root: Optional[Path] = None, log
 
 
 if __name__ == "__main__":
+    import torch
+
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     which = {"moe": "tiny_moe", "nemotron": "tiny_nemotron", "nemotron_moe": "tiny_nemotron_moe",
              "agentic": "tiny_agentic"}.get(

@@ -24,9 +24,11 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used (the launcher imports this module)
+    import torch
+
 
 MTP_PREFIX = "mtp.layers."
 # vLLM 0.32's NemotronHMultiTokenPredictor builds attention (*) and MoE (E) sublayers only
@@ -47,6 +49,8 @@ def default_pattern(config: dict) -> str:
 def _block_shapes(checkpoint: Path, pattern: str) -> Dict[str, Tuple[Tuple[int, ...], bool]]:
     """name -> (shape, kept in fp32) of transformers' own Nemotron-H blocks of the pattern's
     kinds (on the meta device: shapes only), in checkpoint names."""
+    import torch
+
     from transformers import AutoConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock, NemotronHPreTrainedModel
 
@@ -77,6 +81,8 @@ def mtp_tensors(checkpoint: Path, pattern: str, seed: int, dtype: torch.dtype,
     """One MTP layer of `pattern` for the checkpoint's shapes, random from `seed`: matrices
     N(0, init_std), norm weights 1 + N(0, 0.1), biases N(0, init_std); every tensor differs, so
     a test that compares them bit for bit cannot pass on a swapped or re-initialised one."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, (shape, keep_fp32) in sorted(_block_shapes(checkpoint, pattern).items()):
@@ -91,6 +97,8 @@ def add_mtp_layer(checkpoint, seed: int = 0, pattern: Optional[str] = None) -> L
     safetensors and config.json, in place); returns the names added. `pattern`: the sublayers,
     from `VLLM_MTP_LETTERS` (default: `default_pattern`). The tensors take the checkpoint's
     dtype (the router's bias stays fp32, as transformers keeps it)."""
+    import torch
+
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
