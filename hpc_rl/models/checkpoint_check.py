@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import List
 
 # HF class -> model.architecture (config/support.py ARCHITECTURES lists the same values)
 # NemotronHForCausalLM: transformers' dense hybrid (its PyTorch Mamba-2 path on CPU), data parallel only
@@ -35,3 +36,16 @@ def check_checkpoint(path: str) -> dict:
     if not any(p.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no *.safetensors weights")
     return cfg
+
+
+def tp_problems(config, tp: int) -> List[str]:
+    """Why `tp` cannot split this HF config (empty: it can). Used by validation and here."""
+    if tp <= 1:
+        return []
+    need = {"num_attention_heads": config.get("num_attention_heads"),
+            "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
+            "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")}
+    out = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
+    if config.get("tie_word_embeddings"):
+        out.append("tie_word_embeddings=true: the embedding (row split) and lm_head (column split) cannot share one weight")
+    return out

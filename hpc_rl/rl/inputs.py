@@ -73,7 +73,7 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
     refuse a tp that does not divide this checkpoint's (before any rank loads it)."""
     import json
 
-    from hpc_rl.models.parallel.tensor_parallel import tp_problems
+    from hpc_rl.models.checkpoint_check import tp_problems
 
     config = json.loads((Path(path) / "config.json").read_text())
     if config.get("model_type") == "nemotron_h":  # no tp at all: _check_nemotron_h says why
@@ -313,11 +313,13 @@ def _check_experts(out: List[Violation], cfg: RunConfig) -> None:
 def _check_resumable(out: List[Violation], cfg: RunConfig) -> None:
     """A run directory (or checkpoint.dir) whose checkpoints belong to another recipe or
     model shape is refused here, before submission, not by a rank after the job starts."""
-    from hpc_rl.ckpt import IncompatibleCheckpointError, find_resumable, list_checkpoints
-
     if not cfg.checkpoint.resume or not (cfg.checkpoint.dir or cfg.run.dir):
         return
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
+    if not root.is_dir():  # a fresh run: nothing to check, and no torch import for hpc_rl.ckpt
+        return
+    from hpc_rl.ckpt import IncompatibleCheckpointError, find_resumable, list_checkpoints
+
     if not list_checkpoints(root):
         return
     try:

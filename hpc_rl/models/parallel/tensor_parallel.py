@@ -15,27 +15,16 @@ mesh, so clipping and the optimizer see one kind of tensor.
 
 from __future__ import annotations
 
-from typing import List
 
 import torch
+
+# the launcher's check (no torch there); the name stays importable from here
+from ..checkpoint_check import tp_problems  # noqa: F401
 
 # HF module names inside one decoder layer (Llama and Qwen2 share them)
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-def tp_problems(config, tp: int) -> List[str]:
-    """Why `tp` cannot split this HF config (empty: it can). Used by validation and here."""
-    if tp <= 1:
-        return []
-    need = {"num_attention_heads": config.get("num_attention_heads"),
-            "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
-            "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")}
-    out = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
-    if config.get("tie_word_embeddings"):
-        out.append("tie_word_embeddings=true: the embedding (row split) and lm_head (column split) cannot share one weight")
-    return out
 
 
 def parallelize(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
