@@ -7,6 +7,9 @@ shapes (save_untrained: seconds, no training)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +204,22 @@ def test_planner_moves_megatron_shards_into_vllm_nemotron_h_engines_exactly(chec
     if p.tp == 2 and engines[0] == 2:  # equal tp: each in_proj piece travels whole to its worker
         moved = [t for t in plan.transfers if t.name.endswith("layers.0.mixer.in_proj.weight") and t.dst == p.world]
         assert sorted(t.start[0] for t in moved) == [0, 64, 128, 160, 192]
+
+
+def test_names_and_shapes_match_the_mambamodel_megatron_core_builds(checkpoints, tmp_path):
+    """megatron-core's own MambaModel (the Transformer Engine stack spec, bf16), built on CPU
+    with TEST-ONLY stand-ins for Transformer Engine and mamba-ssm (tests/te_mamba_stand_in.py:
+    parameters named and split as TE's), has exactly the names and shapes hf_to_megatron
+    writes, and keeps the mixers' A_log and D and the router's expert bias in fp32."""
+    (tmp_path / "cfgs.json").write_text(json.dumps({k: v[0] for k, v in checkpoints.items()}))
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "tests" / "megatron_names_nemotron_h.py"),
+                           str(tmp_path / "cfgs.json")], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key, (cfg, hf) in checkpoints.items():
+        d = NemotronHDims.from_hf_config(cfg)
+        mc = hf_to_megatron(hf, d, Style(padded_vocab=padded_vocab(d.vocab, 1)))
+        assert {k: list(v.shape) for k, v in mc.items()} == {k: shape for k, (shape, _) in built[key].items()}, key
+        kept = {k: dtype for k, (_, dtype) in built[key].items() if dtype == "float32"}
+        assert {k.rsplit(".", 1)[1] for k in kept} == ({"A_log", "D", "expert_bias"} if key == "moe" else {"A_log", "D"}), kept
