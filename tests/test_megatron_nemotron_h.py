@@ -223,3 +223,54 @@ def test_names_and_shapes_match_the_mambamodel_megatron_core_builds(checkpoints,
         assert {k: list(v.shape) for k, v in mc.items()} == {k: shape for k, (shape, _) in built[key].items()}, key
         kept = {k: dtype for k, (_, dtype) in built[key].items() if dtype == "float32"}
         assert {k.rsplit(".", 1)[1] for k in kept} == ({"A_log", "D", "expert_bias"} if key == "moe" else {"A_log", "D"}), kept
+
+
+def _hf_specs(d: NemotronHDims):
+    """HF checkpoint names and shapes of a Nemotron-H of dims `d` (bf16), without weights."""
+    h, out = d.hidden, {"backbone.embeddings.weight": (d.vocab, d.hidden), "backbone.norm_f.weight": (d.hidden,),
+                        "lm_head.weight": (d.vocab, d.hidden)}
+    for i, kind in enumerate(d.pattern):
+        p = f"backbone.layers.{i}."
+        out[p + "norm.weight"] = (h,)
+        if kind == "M":
+            out.update({p + "mixer.in_proj.weight": (sum(d.in_proj_parts()), h), p + "mixer.conv1d.weight": (sum(d.conv_parts()), 1, 4),
+                        p + "mixer.conv1d.bias": (sum(d.conv_parts()),), p + "mixer.A_log": (d.mamba_heads,),
+                        p + "mixer.D": (d.mamba_heads,), p + "mixer.dt_bias": (d.mamba_heads,),
+                        p + "mixer.norm.weight": (d.mamba_inner,), p + "mixer.out_proj.weight": (h, d.mamba_inner)})
+        elif kind == "E":
+            w = d.latent or h
+            out.update({p + "mixer.gate.weight": (d.num_experts, h), p + "mixer.gate.e_score_correction_bias": (d.num_experts,),
+                        p + "mixer.shared_experts.up_proj.weight": (d.shared_ffn, h),
+                        p + "mixer.shared_experts.down_proj.weight": (h, d.shared_ffn),
+                        p + "mixer.fc1_latent_proj.weight": (w, h), p + "mixer.fc2_latent_proj.weight": (h, w)})
+            for e in range(d.num_experts):
+                out.update({p + f"mixer.experts.{e}.up_proj.weight": (d.moe_ffn, w),
+                            p + f"mixer.experts.{e}.down_proj.weight": (w, d.moe_ffn)})
+    return {n: (s, "float32" if n.endswith("e_score_correction_bias") else "bfloat16") for n, s in out.items()}
+
+
+def test_megatron_tp8_ep8_plans_into_a_tp8_ep8_engine_at_the_flagships_widths():
+    """Shapes only (no tensors): a Mamba + MoE slice of the flagship's widths (stand-in
+    numbers, tests/test_engine_spanning.py) from a Megatron trainer of tp 8 x ep 8 into one
+    vLLM engine of TP 8 with expert parallel: every destination byte arrives exactly once,
+    and each Mamba in_proj piece of a trainer rank goes to the worker of the same TP rank."""
+    from hpc_rl.refit.vllm_layout import vllm_tp_layout
+
+    cfg = {"model_type": "nemotron_h", "hybrid_override_pattern": "ME", "hidden_size": 8192, "num_attention_heads": 64,
+           "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 256, "mamba_head_dim": 64, "n_groups": 8,
+           "ssm_state_size": 128, "intermediate_size": 16384, "n_routed_experts": 128, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 2048, "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 4096,
+           "moe_latent_size": 1024, "vocab_size": 131072, "tie_word_embeddings": False}
+    d = NemotronHDims.from_hf_config(cfg)
+    p = Parallel(tp=8, ep=8)
+    assert config_map.check(cfg, p, sequence_parallel=True, max_seq_len=4096) is None
+    specs = _hf_specs(d)
+    src = megatron_layout(specs, d, Style(padded_vocab=padded_vocab(d.vocab, 8)), p)
+    dst = vllm_tp_layout(specs, list(range(8, 16)), expert_parallel=True)
+    plan = plan_refit(src, dst)
+    for r, n in plan.bytes_received().items():
+        assert n == dst.bytes_on(r), r
+    z = d.mamba_inner // 8
+    moved = sorted((t.src, t.dst, t.start[0]) for t in plan.transfers if t.name == "backbone.layers.0.mixer.in_proj.weight")
+    assert [(s, r) for s, r, _ in moved] == [(s, s + 8) for s in range(8) for _ in range(5)]
+    assert [a for s, _, a in moved if s == 1][:2] == [z, d.mamba_inner + z]  # z_1, then x_1
