@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hpc_rl.refit.execute import Holdings, RefitWalk
 from hpc_rl.refit.layout import Layout, Piece, expert_parallel, merge, tensor_parallel
 from hpc_rl.refit.planner import plan_refit
-from hpc_rl.refit.transport import RefitError, make_transport
+from hpc_rl.refit.transport import RefitError, TorchP2P, make_transport
 
 SPECS = {
     "model.embed_tokens.weight": ((64, 16), "float32"),
@@ -49,12 +49,32 @@ def truth(name: str, shape, dtype: str) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(DTYPES[dtype])
 
 
+class _BatchedGloo(TorchP2P):
+    """TEST-ONLY: a gloo transport that takes several buffers as one message, as the CUDA IPC
+    transport does on GPUs (batches_direct), so the walk's multi-buffer messages run here."""
+
+    batches_direct = True
+
+    def send_many(self, bufs, peer, tag):
+        return [self.send(b, peer, tag) for b in bufs]
+
+    def recv_many(self, bufs, peer, tag):
+        return [self.recv(b, peer, tag) for b in bufs]
+
+    def wait(self, handle, peer, deadline, what):
+        for h in handle if isinstance(handle, list) else [handle]:
+            super().wait(h, peer, deadline, what)
+
+
 def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, kind, out):
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=(me == 0), timeout=timedelta(seconds=30),
                               wait_for_workers=False)
         names = {p: f"proc:{p}" for p in range(world)}
-        transport = make_transport(kind, store, "refit/test", me, world, names, timeout_s=30)
+        if kind == "gloo_batched":  # TEST-ONLY: the walk's several-buffer messages (CUDA IPC's) over gloo
+            transport = _BatchedGloo.gloo(store, "refit/test", me, world, names, 30)
+        else:
+            transport = make_transport(kind, store, "refit/test", me, world, names, timeout_s=30)
         plan = plan_refit(src, dst, domain_of, bucket_bytes=2048)
         mine = [r for r, p in proc_of.items() if p == me]
         holdings = Holdings(dst=Holdings.allocate(dst, mine))
@@ -97,7 +117,7 @@ def _proc(me, world, port, src, dst, proc_of, domain_of, direct_min, misbehave, 
                         bad.append((rank, name, start))
         expect_in = sum(tr.nbytes for tr in plan.transfers if proc_of[tr.dst] == me and proc_of[tr.src] != me)
         expect_out = sum(tr.nbytes for tr in plan.transfers if proc_of[tr.src] == me and proc_of[tr.dst] != me)
-        out.put((me, "ok", {"bad": bad, "received": stats.bytes_received, "sent": stats.bytes_sent,
+        out.put((me, "ok", {"bad": bad, "received": stats.bytes_received, "sent": stats.bytes_sent, "messages": stats.messages,
                             "expect_in": expect_in, "expect_out": expect_out}, time.monotonic() - t0))
     except BaseException:
         out.put((me, "crash", traceback.format_exc(), 0.0))
@@ -147,6 +167,18 @@ def test_tp1_to_tp2_packed_and_direct_messages():
     src, dst = tensor_parallel(SPECS, [0]), tensor_parallel(SPECS, [10, 11])
     for direct_min in (1 << 30, 64):  # everything packed, then most slices sent on their own
         _assert_exact(run_case(src, dst, {0: 0, 10: 1, 11: 2}, direct_min=direct_min), 3)
+
+
+def test_several_direct_slices_to_one_peer_travel_as_one_message():
+    """With a transport that batches (CUDA IPC: one store round trip per message), a bucket's
+    large slices to one peer are one message of several buffers: bytes exact, fewer messages."""
+    src, dst = tensor_parallel(SPECS, [0]), tensor_parallel(SPECS, [10, 11])
+    batched = run_case(src, dst, {0: 0, 10: 1, 11: 2}, direct_min=64, kind="gloo_batched")
+    _assert_exact(batched, 3)
+    plain = run_case(src, dst, {0: 0, 10: 1, 11: 2}, direct_min=64)
+    _assert_exact(plain, 3)
+    sender = lambda results: results[0][1]["messages"]  # noqa: E731
+    assert sender(batched) < sender(plain), (sender(batched), sender(plain))
 
 
 def test_expert_parallel_to_a_different_expert_split():

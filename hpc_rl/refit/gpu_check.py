@@ -47,7 +47,7 @@ def _fill(name, shape, device):
 
 
 def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, kind: str, out, bucket_mb: int = 256,
-          reps: int = 4) -> None:
+          reps: int = 4, direct_min_mb: float = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -61,6 +61,8 @@ def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, kind: str,
         torch.cuda.set_device(device)
         specs = _specs(gb)
         setup = refit_setup(specs, 2, 1, "refit/gpu", timeout_s=timeout, bucket_bytes=bucket_mb << 20)
+        if direct_min_mb is not None:  # slices below it are packed into one message per bucket and peer
+            setup.direct_min = int(direct_min_mb * (1 << 20))
         setup.proc_of = {0: 0, 1: 0, 2: 1}  # process 0 holds both trainer shards; process 1 receives
         setup.names = {0: "trainer", 1: "receiver"}
         store = dist.TCPStore("127.0.0.1", port, is_master=(rank == 0), timeout=timedelta(seconds=timeout),
@@ -113,6 +115,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/refit_gpu.json")
     ap.add_argument("--bucket-mb", type=int, default=256, help="refit.bucket_bytes of the plan, in MiB")
     ap.add_argument("--reps", type=int, default=4, help="walks (and raw messages) per process")
+    ap.add_argument("--direct-min-mb", type=float, default=None,
+                    help="RefitSetup.direct_min in MiB (default: the setup's); huge: pack every slice")
     args = ap.parse_args()
     code, record = _check(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +135,8 @@ def _check(args) -> tuple:
     print(f"refit_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
     kind = args.transport if args.transport != "auto" else ("torch" if gpus >= 2 else "cuda_ipc")
-    record = {"ran": True, "bucket_mb": args.bucket_mb, "reps": args.reps, "gpus": gpus, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    record = {"ran": True, "bucket_mb": args.bucket_mb, "reps": args.reps, "direct_min_mb": args.direct_min_mb,
+              "gpus": gpus, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "transport": kind}
     print(f"refit_check: transport {kind} ({'NCCL' if kind == 'torch' else 'CUDA IPC, both processes on GPU 0'})",
           flush=True)
@@ -140,7 +145,8 @@ def _check(args) -> tuple:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_proc, args=(r, port, args.gb, args.timeout, gpus, kind, out, args.bucket_mb, args.reps))
+    procs = [ctx.Process(target=_proc, args=(r, port, args.gb, args.timeout, gpus, kind, out, args.bucket_mb, args.reps,
+                                                  args.direct_min_mb))
              for r in range(2)]
     for p in procs:
         p.start()
