@@ -56,6 +56,15 @@ def _by_file(junit: Path, n: int = 15) -> list:
     return [{"file": f, "seconds": round(s, 1), "tests": count[f]} for f, s in per.most_common(n)]
 
 
+def _cpu_model() -> str:
+    """The processor's name: runs on different machines of this kind differ by more than
+    their load (this project's sessions saw the same suite take 35 and 49 minutes)."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
 def _tests(junit: Path, floor_s: float = 5.0) -> list:
     """Every test of at least `floor_s` (setup, call and teardown together, from the JUnit
     XML), slowest first: the whole picture for the next cut, beyond the ten slowest."""
@@ -100,7 +109,7 @@ def main() -> int:
     text = log_path.read_text()
     closing = [ln.strip("= ") for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln) and " in " in ln]
     record = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "burners": args.burners,
-              "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "cpu_model": _cpu_model(),
               "rc": rc, "wall_s": round(wall, 1), "goal_s": GOAL_S, "under_goal": wall < GOAL_S,
               "pytest": closing[-1] if closing else None, "slowest": _slowest(text), "by_file": _by_file(junit, n=40),
               "tests_over_5s": _tests(junit),
