@@ -17,22 +17,29 @@ import warnings
 import torch
 
 
-def main(path: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+def one_gloo_rank() -> None:
+    """torch.distributed and Megatron's parallel state as one gloo rank on a free port: what
+    building a megatron-core model needs (also used by tests/megatron_names_nemotron_h.py)."""
     import socket
 
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+
+
+def main(path: str) -> None:
+    warnings.filterwarnings("ignore")
+    one_gloo_rank()
     from megatron.core.models.gpt import GPTModel
 
     from hpc_rl.models.megatron import config_map
     from hpc_rl.models.megatron.shards import Parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
     out = {}
     for name, hf in json.load(open(path)).items():
         kw = config_map.transformer_kwargs(hf, Parallel(), sequence_parallel=False, precision="fp32", te=False, cpu_init=True)

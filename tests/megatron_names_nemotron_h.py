@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import warnings
 
@@ -23,7 +22,6 @@ import te_mamba_stand_in  # noqa: E402
 
 te_mamba_stand_in.install()
 
-import torch  # noqa: E402
 
 
 def main(path: str) -> None:
@@ -31,12 +29,9 @@ def main(path: str) -> None:
     import megatron_cpu_shim
 
     megatron_cpu_shim.install()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
+    from megatron_names import one_gloo_rank
+
+    one_gloo_rank()
     from megatron.core.models.mamba import MambaModel
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -44,7 +39,6 @@ def main(path: str) -> None:
     from hpc_rl.models.megatron import config_map
     from hpc_rl.models.megatron.shards import Parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
     out = {}
     for name, hf in json.load(open(path)).items():
         kw = config_map.transformer_kwargs(hf, Parallel(), sequence_parallel=False, precision="bf16", te=True, cpu_init=True)
