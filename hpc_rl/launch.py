@@ -24,7 +24,7 @@ from hpc_rl.launchers.base import LAUNCHERS
 from hpc_rl.launchers.runnable import check_runnable
 from hpc_rl.plan import build_plan
 from hpc_rl.plan.report import describe
-from hpc_rl.rundir import RunDir
+from hpc_rl.rundir import RunDir, private_umask
 from hpc_rl.slurm.sbatch import BATCH_PLAN_FLAG
 
 USAGE = """usage: python -m hpc_rl.launch +recipe=NAME [cluster=NAME] [launcher=NAME] [key=value ...]
@@ -93,18 +93,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if dataset is not None and dataset.skipped:
         print(f"hpc_rl: {dataset.skipped} malformed rows of {dataset.path} will be skipped (data.skip_invalid): "
               f"first {dataset.errors[0]}", file=sys.stderr)
-    run_dir = RunDir.create(cfg, plan)
-    if dataset is not None:
-        from hpc_rl.rl.inputs import write_generated
+    # What this launch writes into the run directory (submitit's pickles, job.json), and the ranks
+    # launcher=local starts, come out no more open than run.dir_mode (rundir.py): ranks execute them.
+    with private_umask(RunDir.mode(cfg)):
+        run_dir = RunDir.create(cfg, plan)
+        if dataset is not None:
+            from hpc_rl.rl.inputs import write_generated
 
-        write_generated(cfg, run_dir.path)
-    if batch_plan:
-        print(describe(cfg, plan))
-        print(f"\nplanned into {run_dir.path}; the batch script starts the ranks")
-        code = 0
-    else:
-        code = launcher.launch(cfg, plan, run_dir, overrides)
-    write_launch_reads(run_dir.path)  # planning and launching read config keys too (config/trace.py)
+            write_generated(cfg, run_dir.path)
+        if batch_plan:
+            print(describe(cfg, plan))
+            print(f"\nplanned into {run_dir.path}; the batch script starts the ranks")
+            code = 0
+        else:
+            code = launcher.launch(cfg, plan, run_dir, overrides)
+        write_launch_reads(run_dir.path)  # planning and launching read config keys too (config/trace.py)
     return code
 
 

@@ -27,6 +27,11 @@ One directory per run holds everything the job side reads and writes:
   config_reads/                  which config keys each rank and the launch read (config/trace.py)
   data/train.jsonl               prompts generated from data.tasks
 
+Modes: the directory and its subdirectories are 0700 (`run.dir_mode` may open them to the group,
+never to writers other than the owner), and what the launch, the batch shell and the ranks
+write there comes out under the matching umask: ranks unpickle and torch.load(weights_only=False)
+files from it, so whoever can plant a file there runs code as the job.
+
 A RunDir whose root and restart are shell words (`RunDir("$RUN_DIR")`, restart
 "$HPC_RL_RESTART") renders the same names for the batch shell: `shell_lines` gives the
 variable lines sbatch.py puts in every script, so no file name is written twice.
@@ -36,8 +41,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Tuple, Union
+from typing import TYPE_CHECKING, Iterator, List, Tuple, Union
 
 if TYPE_CHECKING:  # the plan layer may import this module: no import of it at run time
     from hpc_rl.config.schema import RunConfig
@@ -58,12 +64,84 @@ def shell_role_file_name(var: str) -> str:
     return f"${{{var}//\\{ROLE_SEP}/{ROLE_FILE_SEP}}}"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and rename, so readers never see half a file."""
+def fsync_dir(path: Union[str, Path]) -> None:
+    """Make a rename or a new entry in directory `path` durable; not every filesystem allows
+    it (some FUSE mounts refuse to open or fsync a directory), and then there is nothing to do."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Union[str, Path]) -> None:
+    """Every file and directory under `path`, and `path` itself, on disk: for a directory about
+    to be renamed into place, whose name then promises complete contents."""
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            fsync_dir(p)
+        elif p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def write_atomic(path: Path, text: str, durable: bool = True) -> None:
+    """Write through a temporary file and rename, so readers never see half a file.
+
+    durable: the bytes reach the disk before the rename, and the rename after it, so a node
+    that crashes leaves the old file or the new one (ext4 and XFS may otherwise persist the
+    rename before the data: an empty job.json or resume record). Only files that are stale
+    the moment their writer dies (a rank's current phase) pass durable=False."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+DEFAULT_DIR_MODE = 0o700  # run.dir_mode's default, parsed (config/validate_rundir.py)
+
+
+def umask_for(mode: int) -> int:
+    """The umask under which new files and directories are no more open than `mode`."""
+    return 0o777 & ~mode
+
+
+@contextmanager
+def private_umask(mode: int) -> Iterator[None]:
+    """The process's umask is umask_for(mode) inside: what it writes into a run directory, and
+    the children it starts (launcher=local's ranks; sbatch hands it on as SLURM_UMASK), come out
+    no more open than the directory. The umask is per process: restored on the way out."""
+    old = os.umask(umask_for(mode))
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def make_dirs(path: Union[str, Path], mode: int = DEFAULT_DIR_MODE) -> Path:
+    """`path` and its missing parents, each `mode` whatever the umask (mkdir's mode is masked by
+    it); an existing `path` is set to `mode` too, so an old run directory is tightened on resume."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        os.makedirs(p, mode, exist_ok=True)  # exist_ok: made meanwhile by another launch
+    for p in missing or [path]:
+        os.chmod(p, mode)
+    return path
 
 
 class RunDir:
@@ -291,13 +369,23 @@ class RunDir:
             path = base.with_name(f"{base.name}-{k}")
         return path
 
+    @staticmethod
+    def mode(cfg: "RunConfig") -> int:
+        """run.dir_mode as a number (validation refused what does not parse)."""
+        from hpc_rl.config.validate_rundir import parse_dir_mode
+
+        return parse_dir_mode(cfg.run.dir_mode)
+
     @classmethod
     def create(cls, cfg: "RunConfig", plan: "JobPlan") -> "RunDir":
-        """Make the directory and write config.yaml and plan.json into it."""
+        """Make the directory (run.dir_mode, also when it exists) and write config.yaml and
+        plan.json into it."""
         from hpc_rl.config.compose import to_yaml
 
         rd = cls(cls.choose(cfg).resolve())
-        rd.logs.mkdir(parents=True, exist_ok=True)
+        mode = cls.mode(cfg)
+        make_dirs(rd.path, mode)
+        make_dirs(rd.logs, mode)
         write_atomic(rd.config, to_yaml(cfg))
         write_atomic(rd.plan, plan.to_json())
         return rd

@@ -77,3 +77,29 @@ def faulty_calculator(**cfg):
 def faulty_calculator_down_after_16(**cfg):
     """Healthy for 16 episodes per process (one step of the requeue drill), then down."""
     return FaultyCalculator(healthy_episodes=16)
+
+
+# --- rewards that are not numbers (issue 43): tests/test_agentic_faults.py's requeue drill ----
+def nan_of(prompt: str) -> bool:
+    """Whether an episode of `prompt` returns a NaN reward: the parity of its characters mod 8
+    is 4 (deterministic, about an eighth of the prompts, none of fault_of's)."""
+    return sum(map(ord, prompt)) % 8 == 4
+
+
+class NaNRewardCalculator(FaultyCalculator):
+    """FaultyCalculator whose reward service is broken too: for nan_of prompts the episode plays
+    out and returns NaN; with `healthy_episodes`, every episode after that many returns NaN
+    (the service broke for good) instead of raising. A NaN that reached the trainer would make
+    every weight NaN (the loss, the gradient clip, AdamW)."""
+
+    async def run(self, task, chat):
+        if self.healthy_episodes is not None and self.started >= self.healthy_episodes:
+            self.started += 1
+            return EpisodeResult(float("nan"), False)
+        result = await super().run(task, chat)
+        return EpisodeResult(float("nan"), False) if nan_of(task["prompt"]) else result
+
+
+def nan_rewards_calculator_down_after_16(**cfg):
+    """Healthy for 16 episodes per process (one step of the requeue drill), NaN after."""
+    return NaNRewardCalculator(healthy_episodes=16)

@@ -214,12 +214,13 @@ def test_gyms_processes_die_with_the_env_rank(env_interpreters_ready):
             os.close(fd)
     # the killed rank's directory (its proxy key died with it) is litter: the next rank on the
     # node removes it, and leaves a live rank's alone
-    from hpc_rl.agentic.gym_servers import DIR_PREFIX, DIR_ROOT, _start_time, reap_stale_dirs
+    from hpc_rl.agentic.gym_servers import DIR_PREFIX
+    from hpc_rl.envs.jail import JailDir, reap, start_time
 
     assert Path(line[2]).exists()
-    live = Path(tempfile.mkdtemp(prefix=DIR_PREFIX, dir=DIR_ROOT))  # as a rank alive now (this process) writes it
-    (live / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    live = Path(tempfile.mkdtemp(prefix=DIR_PREFIX, dir=JailDir.ROOT))  # as a rank alive now (this process) writes it
+    (live / "owner").write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
     try:
-        assert line[2] in reap_stale_dirs() and not Path(line[2]).exists() and live.exists()
+        assert line[2] in reap(DIR_PREFIX) and not Path(line[2]).exists() and live.exists()
     finally:
         shutil.rmtree(live)

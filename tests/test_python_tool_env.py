@@ -125,7 +125,8 @@ def test_network_and_writes_outside_scratch_fail_inside_the_sandbox(recipe_episo
     for name, code in probes.items():
         pol = ScriptedPolicy(tok, f'[python(code="{code}")]')
         task = {"prompt": "What is 1 plus 1?", "answer": "2", "task": "calculator", "id": name, "agent": None}
-        _episodes([task], episode, pol, tok)
+        # room for a traceback: the home is not in the sandbox's view at all (FileNotFoundError)
+        _episodes([task], episode, pol, tok, Limits(max_turns=3, max_tokens=400, turn_timeout_s=30, episode_timeout_s=60))
         seen[name] = pol.seen
     assert seen["net"].startswith("error: exit 1") and "unreachable" in seen["net"].lower(), seen
     assert "Read-only file system" in seen["etc"], seen

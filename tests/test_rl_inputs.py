@@ -133,7 +133,7 @@ def test_generated_dataset_and_eval_prompts(model_dir, tmp_path):
     assert load_dataset(cfg).records == ds.records
 
 
-def test_checkpoints_of_another_recipe_are_refused_before_launch_unless_told_to_start_fresh(model_dir, tmp_path, capsys):
+def test_checkpoints_of_another_recipe_are_refused_before_launch_and_so_is_a_fresh_start_over_them(model_dir, tmp_path, capsys):
     from hpc_rl.ckpt import save_checkpoint
     from hpc_rl.models.fsdp2 import FSDP2Backend
 
@@ -142,9 +142,13 @@ def test_checkpoints_of_another_recipe_are_refused_before_launch_unless_told_to_
     code, text = _launch(capsys, _overrides(model_dir, tmp_path))
     assert code == 2
     assert "checkpoint.resume" in text and "recipe 'other' (checkpoint) vs 'tiny_mopd' (this run)" in text
-    assert "checkpoint.resume=false" in text
-    # the explicit override: start fresh
-    check_inputs(load_config(_overrides(model_dir, tmp_path, "checkpoint.resume=false")))
+    assert "another run.dir" in text
+    # starting fresh there would mix the two runs (issue 43): refused too, naming the directory
+    code, text = _launch(capsys, _overrides(model_dir, tmp_path, "checkpoint.resume=false"))
+    assert code == 2 and "checkpoint.resume = False" in text and str(run / "checkpoints") in text
+    # a fresh start in a new directory
+    fresh = [o for o in _overrides(model_dir, tmp_path, "checkpoint.resume=false") if not o.startswith("run.dir=")]
+    check_inputs(load_config([*fresh, f"run.dir={tmp_path / 'new'}"]))
 
 
 def test_a_save_starts_only_if_it_ends_before_the_job_does():

@@ -128,7 +128,8 @@ def test_writes_only_in_scratch(sandbox):
             res = sandbox.run(["sh", "-c", f"echo x > {target}"])
             assert res.exit_code != 0, (target, res)
             assert not target.exists(), target
-        assert "Read-only file system" in sandbox.run(["sh", "-c", f"echo x > {world_writable / name}"]).stderr
+        # the host's /var/tmp is not in the sandbox's view at all (the system directories only)
+        assert "nonexistent" in sandbox.run(["sh", "-c", f"echo x > {world_writable / name}"]).stderr
         res = sandbox.run(["sh", "-c", f"echo scratch-ok > /tmp/{name} && cat /tmp/{name}"])
         assert res.exit_code == 0 and res.stdout == "scratch-ok\n", res
         assert not (Path("/tmp") / name).exists()  # the sandbox's /tmp is its own
@@ -210,6 +211,13 @@ def test_sigkill_of_the_caller_mid_tool_call_leaves_no_sandbox():
         rank.send_signal(signal.SIGKILL)
         rank.wait(timeout=10)
         _until(lambda: find_sandbox_processes(tag) == [], 10, f"sandbox processes gone (left: {find_sandbox_processes(tag)})")
+        # its cgroup outlives it (no caller to remove it) until the rank's next incarnation reaps
+        from hpc_rl.envs.sandbox_cgroup import placement
+
+        parents = placement().parents
+        assert len([d for p in parents for d in p.glob(tag + "_*")]) == len(parents)
+        reap_leftovers(tag)
+        assert not [d for p in parents for d in p.glob(tag + "_*")]
     finally:
         if rank.poll() is None:
             rank.kill()
@@ -264,3 +272,76 @@ def test_no_user_namespaces_is_a_clear_error():
                           "--ro-bind", str(REPO_ROOT), str(REPO_ROOT), "--setenv", "PYTHONPATH", str(REPO_ROOT),
                           "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "UNAVAILABLE" in res.stdout and "user namespaces" in res.stdout, (res.stdout, res.stderr)
+
+
+def test_the_sandbox_sees_no_home_run_directory_data_or_secret():
+    """A tool runs tests/attack_envs/attack_probe.py (copied into its scratch, as a model's code
+    would write it) against a file in the user's home, a run directory in the repository with
+    its config and data, the repository itself and a process holding the job's secret: every
+    attempt fails. Before the sandbox's own system view (the host's / read-only) it read all
+    three files."""
+    import json
+
+    home = Path(os.path.expanduser("~"))
+    secret = home / f".hpc_rl_sandbox_secret_{uuid.uuid4().hex[:8]}"
+    run = REPO_ROOT / "runs" / f"sandbox_attack_{uuid.uuid4().hex[:8]}"
+    scratch = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    decoy = subprocess.Popen(["sleep", "600"], env=dict(os.environ, HPC_RL_JOB_KEY="f" * 64))
+    try:
+        secret.write_text("f" * 64)
+        (run / "data").mkdir(parents=True)
+        (run / "config.yaml").write_text("run: {}\n")
+        (run / "data" / "train.jsonl").write_text('{"answer": "4"}\n')
+        shutil.copy(REPO_ROOT / "tests" / "attack_envs" / "attack_probe.py", scratch / "probe.py")
+        targets = {"read": [str(secret), str(run / "config.yaml"), str(run / "data" / "train.jsonl")],
+                   "write": [str(REPO_ROOT), str(run)], "home": str(home)}
+        res = Sandbox(_tag(), scratch_dir=str(scratch)).run([TOOL_PY, "/tmp/probe.py", json.dumps(targets)])
+        assert res.exit_code == 0, res
+        report = json.loads(res.stdout)
+        leaks = [f"{k}: {v}" for k, v in report.items() if str(v).startswith("LEAK")]
+        assert not leaks and len(report) >= 10, (leaks, report)
+        assert not list(REPO_ROOT.glob("planted_by_environment_*")) and not list(run.glob("planted_by_environment_*"))
+    finally:
+        decoy.kill()
+        decoy.wait()
+        secret.unlink(missing_ok=True)
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# a tool that forks 3 children holding 160 MiB each (touched, so resident): 480 MiB together,
+# under each process's own address-space cap of 1 GiB
+FORK_HOLDERS = """
+import os, time
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(160 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        time.sleep(2)
+        os._exit(0)
+    kids.append(pid)
+codes = [os.waitpid(k, 0)[1] for k in kids]
+print(codes)
+"""
+
+
+def test_memory_limit_holds_for_the_whole_sandbox_where_a_cgroup_can_be_made():
+    """Limits.memory_bytes caps the sandbox's processes together (its cgroup), not each one: three
+    processes of 160 MiB under a 256 MiB limit cannot all live, while under 1 GiB they can. On a
+    node where no cgroup can be made the result says so (limits_scope "process")."""
+    from hpc_rl.envs.sandbox_cgroup import placement
+
+    where = placement()
+    if where.scope == "process":
+        pytest.skip(f"no cgroup for sandboxes on this node: {where.why_not}")
+    sb = Sandbox(_tag())
+    roomy = sb.run([TOOL_PY, "-c", FORK_HOLDERS], limits=Limits(memory_bytes=1 << 30, wall_s=60, cpu_s=60))
+    assert roomy.exit_code == 0 and roomy.stdout.strip() == "[0, 0, 0]", roomy
+    assert roomy.limits_scope == where.scope and roomy.peak_memory_bytes >= 3 * (160 << 20), roomy
+    tight = sb.run([TOOL_PY, "-c", FORK_HOLDERS], limits=Limits(memory_bytes=256 << 20, wall_s=60, cpu_s=60))
+    assert tight.killed_by == "memory" or "9" in tight.stdout, tight  # SIGKILLed by the kernel's OOM killer
+    assert tight.stdout.strip() != "[0, 0, 0]", tight
+    assert not [d for p in where.parents for d in p.glob(sb.tag + "_*")], "a sandbox's cgroup was left behind"

@@ -52,16 +52,30 @@ def calculate(expression) -> str:
     return str(Fraction(a, b))
 
 
+def _integer(text: str) -> Optional[str]:
+    """One integer's text in one spelling ("+007" -> "7"), or None when `text` is not one."""
+    from hpc_rl.envs.math_verifier import canonical_integer  # here: envs/registry.py imports this module
+
+    return canonical_integer(text) if _INT.fullmatch(text) else None
+
+
+def calculator_answer_problem(answer: str) -> Optional[str]:
+    """A load-time row check: the calculator task's reference must be one integer."""
+    return None if _integer(answer) is not None else "is not one integer (the calculator task's answers are)"
+
+
 def verify_calculator(response: str, answer: str):
     """Correct when the response is the answer: one integer, nothing else (the answer a tool
     user copies from the tool, not a number picked out of a sentence). A VerifierResult."""
     from hpc_rl.envs.math_verifier import VerifierResult  # here: envs/registry.py imports this module
 
     text = response.strip()
-    if not _INT.fullmatch(text):
+    got, ref = _integer(text), _integer(str(answer))
+    if got is None:
         return VerifierResult(False, 0.0, None, "the response is not one integer")
-    ok = int(text) == int(answer)
-    return VerifierResult(ok, 1.0 if ok else 0.0, text)
+    if ref is None:  # refused at load (calculator_answer_problem); never a crash mid-run
+        return VerifierResult(False, 0.0, text, "the reference answer is not one integer")
+    return VerifierResult(got == ref, 1.0 if got == ref else 0.0, text)
 
 
 class CalculatorEnv:

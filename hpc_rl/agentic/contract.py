@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Protocol, Tuple
 
+from hpc_rl.envs.reward_check import checked_reward
+
 # async policy(prompt_ids, max_tokens) -> (ids, logprobs, version_first, version_last,
 # finish_reason[, per-token versions]): the generator's token route (serving client) in a
 # run, a local engine or model in tests (local.py).
@@ -65,6 +67,8 @@ class Limits:
     def __post_init__(self):
         if self.max_turns < 1 or self.max_tokens < 1:
             raise ValueError(f"max_turns and max_tokens must be >= 1, got {self.max_turns}, {self.max_tokens}")
+        # every truncated episode is scored this: it must pass the check every reward passes
+        checked_reward(self.truncated_reward, "env.agentic.truncated_reward")
 
 
 def _in_daemon_thread(fn: Callable, *args) -> "asyncio.Future":
@@ -133,8 +137,8 @@ class StepwiseEpisode:
             msg = await chat(messages, tools=tools)
             messages.append(msg)
             new, done, reward, correct = await call_env(env.step, msg, timeout_s=timeout)
-            if done:
-                return EpisodeResult(float(reward), correct)
+            if done:  # a reward that is not a finite number is this episode's error, by kind
+                return EpisodeResult(checked_reward(reward, f"{type(env).__name__}.step"), correct)
             messages.extend(new)
 
 
@@ -147,7 +151,18 @@ class SingleTurnEpisode:
 
         msg = await chat([{"role": "user", "content": task["prompt"]}])
         r = score(task["task"], msg["content"], task["answer"])
+        if r.error is not None:  # the verifier raised or returned a bad reward: counted by its kind
+            raise ScoringFailed(r.error, r.reason or "")
         return EpisodeResult(r.reward, r.correct, info={"extracted": r.extracted})
+
+
+class ScoringFailed(RuntimeError):
+    """A verifier's failure (registry.score caught it) raised as the episode's error, counted
+    under the original kind (`error_kind`, which faults.error_kind reads)."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.error_kind = kind
 
 
 _ENVIRONMENTS: Dict[str, Callable[..., Episode]] = {}

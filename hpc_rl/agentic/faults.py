@@ -26,7 +26,10 @@ FAILED_BY = ("episode_timeout", "env_timeout")  # timeouts that are the environm
 
 
 def error_kind(exc: BaseException) -> str:
-    return type(exc).__name__
+    """The exception's class name, or the kind it carries (`error_kind`: a failure caught
+    below and raised again under its original name, contract.ScoringFailed)."""
+    kind = getattr(exc, "error_kind", None)
+    return kind if isinstance(kind, str) and kind else type(exc).__name__
 
 
 def traceback_line(exc: BaseException) -> str:

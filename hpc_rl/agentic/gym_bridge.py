@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import logging
 import secrets
-import shutil
 import subprocess
 import threading
 import time
@@ -41,8 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
+from hpc_rl.envs.reward_check import checked_reward
+
 from .contract import EpisodeResult, Truncated, stable_index
-from .gym_servers import LAUNCH, REPO, GymServers, gym_env, interpreter, search_dirs
+from hpc_rl.envs.jail import JailDir, unavailable
+
+from .gym_servers import DIR_PREFIX, LAUNCH, REPO, GymServers, interpreter, jailed, search_dirs
 from .loopback_proxy import LoopbackProxy
 
 log = logging.getLogger("hpc_rl.agentic.gym")
@@ -204,7 +208,8 @@ class GymEpisode:
         if r.status != 200:
             raise GymError(f"Gym's agent /run answered {r.status}: {text[-800:]}")
         out = json.loads(text)
-        reward = float(out["reward"])
+        # Gym's /verify is untrusted: NaN, text or None is this episode's error, counted by kind
+        reward = checked_reward(out.get("reward"), f"Gym's /verify ({self.resources_server})")
         resolved = out.get("resolved")
         items = (out.get("response") or {}).get("output") or []
         # what Gym's agent carried of each model call (its output items' token fields, as NeMo
@@ -228,12 +233,18 @@ def preflight(g) -> list:
     argv = interpreter(g.python)
     if not Path(argv[0]).exists() or not g.resources_server:
         return []  # config/validate_agentic.py names these
-    spec = json.dumps({"search_dirs": search_dirs(g.search_dirs), "resources_server": g.resources_server})
+    if unavailable():
+        return [("env.agentic.environment", "gym", unavailable(), "install bubblewrap on the env nodes")]
+    dirs = search_dirs(g.search_dirs)
+    spec = json.dumps({"search_dirs": dirs, "resources_server": g.resources_server})
+    home = JailDir(DIR_PREFIX)  # in the jail an env rank runs Gym in: what it finds there, Gym will find
     try:
-        proc = subprocess.run([*argv, "-c", LAUNCH, "check", spec], capture_output=True, text=True, timeout=300,
-                              env=gym_env())
+        proc = subprocess.run([*jailed(g.python, dirs, home.path), "-c", LAUNCH, "check", spec], capture_output=True,
+                              text=True, timeout=300, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     except (OSError, subprocess.TimeoutExpired) as exc:
         proc = subprocess.CompletedProcess(argv, 1, "", f"{type(exc).__name__}: {exc}")
+    finally:
+        home.close()
     if proc.returncode != 0:
         last = " | ".join(ln.strip() for ln in proc.stderr.splitlines()[-3:] if ln.strip()) or f"rc {proc.returncode}"
         return [("env.agentic.gym.python", g.python, f"does not run a Python with nemo-gym: {last[:600]}",
@@ -241,10 +252,6 @@ def preflight(g) -> list:
                  "the environment nodes' container image; on a test machine, `make gym-python` builds .gym-python)")]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     out = []
-    if g.private_network and shutil.which("bwrap") is None:
-        out.append(("env.agentic.gym.private_network", True, "needs bubblewrap (bwrap) on the env nodes for Gym's "
-                    "network namespace", "install bubblewrap (apt-get install bubblewrap; `make setup` does), or set "
-                    "env.agentic.gym.private_network=false to run Gym's servers on 127.0.0.1 (docs/security.md)"))
     if not found["config"]:
         out.append(("env.agentic.gym.resources_server", g.resources_server,
                     f"Gym finds no resources_servers/{g.resources_server}/configs/{g.resources_server}.yaml (it has "

@@ -4,12 +4,13 @@ env rank's side: the proxy and the episodes).
 `gym env start` runs Gym's head server, the resources server, its agent and Gym's vllm_model
 model server, each from the interpreter's own environment (no per-server uv venvs), the
 model server pointed at the rank's proxy by a 0600 config file in a 0700 directory (the
-proxy's key never on a command line). With private_network the interpreter runs under
-`bwrap --unshare-net`: Gym's servers and Ray have no port on the node, and a forwarder inside
-the namespace relays two unix sockets of that directory (proxy.sock outward, gym.sock
-inward). The processes die with the env rank: a parent-death
-signal on the interpreter, the rank's process group, and with tests/gym_python.sh's
-interpreter a bubblewrap pid namespace that dies with it (--die-with-parent).
+proxy's key never on a command line). The interpreter runs in its jail (`jailed`,
+hpc_rl/envs/jail.py): its own pid, mount and user namespaces, that directory its only
+writable place, no secret in any process it can see. With private_network (the default) it
+has its own network too: Gym's servers and Ray have no port on the node, and relays inside
+the namespace (unix_bridge.py) connect two unix sockets of that directory (proxy.sock
+outward, gym.sock inward). The processes die with the env rank: a parent-death signal on
+the jail, the rank's process group, and the jail's pid namespace (--die-with-parent).
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import atexit
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hpc_rl.envs.jail import Jail, JailDir, interpreter_paths
+
 REPO = Path(__file__).resolve().parents[2]
-DIR_ROOT, DIR_PREFIX = "/tmp", "hpc_rl_gym_"  # a rank's 0700 directory (the sandbox shares /tmp)
+DIR_PREFIX = "hpc_rl_gym_"  # a rank's 0700 jail directory under /tmp (jail.JailDir)
 log = logging.getLogger("hpc_rl.agentic.gym")
 READY_LINE = "servers ready!"  # `gym env start` prints "All N / N servers ready! ..." once every server answers
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
@@ -60,43 +61,14 @@ for kind, names in found.items():
 argv = list(spec["argv"])
 if spec.get("bridge"):
     # a private network namespace: Gym's model calls leave it through a unix socket to the
-    # rank's proxy, the rank's calls enter it through another (to the port its Host names)
-    import asyncio, re, socket, threading
-    bridge = Path(spec["bridge"])
-
-    async def pipe(r, w):
-        try:
-            while True:
-                data = await r.read(65536)
-                if not data:
-                    break
-                w.write(data)
-                await w.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.close()
-
-    async def outward(r, w):
-        pr, pw = await asyncio.open_unix_connection(str(bridge / "proxy.sock"))
-        await asyncio.gather(pipe(r, pw), pipe(pr, w))
-
-    async def inward(r, w):
-        head = await r.readuntil(b"\r\n\r\n")
-        port = int(re.search(rb"(?im)^host:[^\r\n]*:(\d+)\s*$", head).group(1))
-        tr, tw = await asyncio.open_connection("127.0.0.1", port)
-        tw.write(head)
-        await asyncio.gather(pipe(r, tw), pipe(tr, w))
-
-    loop = asyncio.new_event_loop()
-    out_srv = loop.run_until_complete(asyncio.start_server(outward, "127.0.0.1", 0))
-    loop.run_until_complete(asyncio.start_unix_server(inward, str(bridge / "gym.sock")))
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    argv.append("++policy_base_url=http://127.0.0.1:%d/v1" % out_srv.sockets[0].getsockname()[1])
+    # rank's proxy, the rank's calls enter it through another (unix_bridge, prepended)
+    port = serve_relays(outward=str(Path(spec["bridge"]) / "proxy.sock"), inward=str(Path(spec["bridge"]) / "gym.sock"))
+    argv.append("++policy_base_url=http://127.0.0.1:%d/v1" % port)
 from nemo_gym.cli.main import main
 sys.argv = ["gym", *argv]
 main()
 """.replace("%(kinds)r", repr(SERVER_KINDS))
+LAUNCH = Path(__file__).with_name("unix_bridge.py").read_text() + LAUNCH
 
 
 def interpreter(python: str) -> List[str]:
@@ -110,39 +82,16 @@ def search_dirs(dirs) -> List[str]:
     return [str(Path(d) if Path(d).is_absolute() else REPO / d) for d in dirs]
 
 
-def gym_env() -> Dict[str, str]:
-    """The environment Gym's processes get: the rank's, without the job's key or our Python."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HPC_RL_JOB_KEY", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
-    return env
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """A process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid,
-    it names the process even after the pid is reused."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def reap_stale_dirs(root: str = None) -> List[str]:
-    """Remove this user's Gym directories whose owning rank is gone (SIGKILLed, so its atexit
-    never ran); a directory whose owner is alive, or not yet written, is left alone. Returns
-    the directories removed."""
-    gone = []
-    for d in Path(root or DIR_ROOT).glob(DIR_PREFIX + "*"):
-        try:
-            if d.stat().st_uid != os.getuid():
-                continue
-            pid, start = (d / "owner").read_text().split()
-            if _start_time(int(pid)) == start:
-                continue
-        except (OSError, ValueError):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        gone.append(str(d))
-    return gone
+def jailed(python: str, dirs: List[str], home: str, private_network: bool = True) -> List[str]:
+    """The command line that runs the Gym interpreter in its jail (hpc_rl/envs/jail.py): a pid,
+    mount and user namespace of its own, the interpreter and the search directories read-only,
+    `home` (the rank's 0700 directory) its only writable place, an environment from the allow
+    list (no HPC_RL_JOB_KEY, no credentials), and with private_network its own network."""
+    argv = interpreter(python)
+    jail = Jail(home, [*interpreter_paths(argv[0]), *dirs], network=not private_network, nested=True,
+                env={"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": f"{home}/ray"},
+                path=f"{Path(argv[0]).parent}:/usr/local/bin:/usr/bin:/bin")
+    return jail.argv(argv)
 
 
 class GymServers:
@@ -150,12 +99,9 @@ class GymServers:
 
     def __init__(self, python: str, resources_server: str, agent: Optional[str], dirs: List[str], args: List[str],
                  proxy, start_timeout_s: float = 600.0, private_network: bool = True):
-        # A killed rank (no atexit) left its directory: the next rank on the node removes it
-        reaped = reap_stale_dirs()
-        if reaped:
-            log.info("removed %d Gym directories of ranks that are gone: %s", len(reaped), reaped)
-        self.dir = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=DIR_ROOT)  # 0700; the sandbox shares /tmp
-        (Path(self.dir) / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        # A killed rank (no atexit) left its directory: JailDir has the next rank on the node remove it
+        self.jail_dir = JailDir(DIR_PREFIX)
+        self.dir = self.jail_dir.path
         # Ray's session files go there too (RAY_TMPDIR), not into the node's /tmp/ray.
         # The rank's normal exit stops Gym and removes the directory (its config file holds the
         # proxy's key, dead with the rank's process, but the directory is litter)
@@ -183,11 +129,10 @@ class GymServers:
                 "++policy_model.responses_api_models.vllm_model.return_token_id_information=true", *args]
         spec = json.dumps({"search_dirs": dirs, "venvs": f"{self.dir}/venvs", "argv": argv,
                            "bridge": self.dir if private_network else None})
-        netns = ["bwrap", "--dev-bind", "/", "/", "--unshare-net", "--die-with-parent", "--"] if private_network else []
         self.tail: List[str] = []
         ready, started = threading.Event(), threading.Event()
         self._box: Dict[str, Any] = {}
-        threading.Thread(target=self._run, args=([*netns, *interpreter(python), "-c", LAUNCH, spec], ready, started), daemon=True,
+        threading.Thread(target=self._run, args=([*jailed(python, dirs, self.dir, private_network), "-c", LAUNCH, spec], ready, started), daemon=True,
                          name="hpc_rl-gym").start()
         started.wait(60)
         if "error" in self._box:
@@ -211,7 +156,8 @@ class GymServers:
 
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env=dict(gym_env(), RAY_TMPDIR=f"{self.dir}/ray"), cwd=self.dir, text=True, bufsize=1, preexec_fn=dies_with_parent)
+                                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd=self.dir, text=True,
+                                         bufsize=1, preexec_fn=dies_with_parent)
         except OSError as exc:
             self._box["error"] = exc
             started.set()
@@ -261,4 +207,4 @@ class GymServers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.jail_dir.close()

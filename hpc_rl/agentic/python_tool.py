@@ -147,7 +147,26 @@ class PythonToolEnv(CalculatorEnv):
             return f"error: {name} takes one string argument, {'code' if name == 'python' else 'expression'}"
         else:
             return f"error: no tool named {name!r}"
+        problem = argument_problem(argv[-1])
+        if problem:
+            return f"error: the {name} argument {problem}"
         return tool_text(await self.runner.run(argv, self.deadline))
+
+
+MAX_ARG_BYTES = 64 << 10  # Linux refuses one argv string past 128 KiB (MAX_ARG_STRLEN): E2BIG
+
+
+def argument_problem(text: str) -> Optional[str]:
+    """Why the policy's text cannot be a process argument (exec would refuse it, and Popen
+    raise on the env rank: a NUL, a lone surrogate, past the kernel's limit), or None. The
+    policy reads the answer as the tool's error, as for any other bad call."""
+    if "\x00" in text:
+        return "contains a NUL character"
+    try:
+        size = len(os.fsencode(text))
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (a lone surrogate)"
+    return f"is longer than {MAX_ARG_BYTES} bytes" if size > MAX_ARG_BYTES else None
 
 
 def make_sandbox(kind: str, tag: str, limits):

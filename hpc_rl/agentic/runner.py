@@ -5,9 +5,11 @@ connection pool between the episodes and the policy's default limits (the anchor
 found Ray's default actor concurrency and aiohttp's 100-connection default capping rollouts
 silently). The peak reached is reported, so a cap that bites shows up as a number.
 
-An episode that raises is scored 0 and counted (`errors`, `errors_by_kind`), never a crash
-of the batch; one that hits a limit is marked truncated and scored `Limits.truncated_reward`,
-a timeout among them counted by kind (`timeouts_by_kind`; faults.py says which are failures).
+An episode that raises, or returns a reward that is not a finite number within bounds
+(envs/reward_check.py: NonNumericReward, NonFiniteReward, RewardOutOfBounds), is scored 0 and
+counted (`errors`, `errors_by_kind`), never a crash of the batch nor a NaN for the trainer;
+one that hits a limit is marked truncated and scored `Limits.truncated_reward`, a timeout
+among them counted by kind (`timeouts_by_kind`; faults.py says which are failures).
 
 Backpressure, measured: the most episodes in flight at once (`max_inflight`, against the
 limit), how many waited for a slot (`max_queue_depth`) and how long (`queue_wait_s`), and the
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from hpc_rl.engines.rows import SampleRow
+from hpc_rl.envs.reward_check import checked_reward
 
 from .chat import RecordingChat
 from .contract import Episode, EpisodeResult, Limits, Policy, Truncated
@@ -40,7 +43,8 @@ async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, l
     or `error` (with `error_kind` and `error_line`, its traceback's last line) when it applies."""
     chat = RecordingChat(policy, tokenizer, limits, tool_parser, template_kwargs)
     try:
-        result = await asyncio.wait_for(episode.run(task, chat), limits.episode_timeout_s)
+        result = checked_result(await asyncio.wait_for(episode.run(task, chat), limits.episode_timeout_s),
+                                f"{type(episode).__name__}.run")
         if chat.hit_token_cap and not result.truncated:
             # the policy was still writing when the trajectory's token budget ran out: what
             # the environment made of the cut text is not the episode's real outcome
@@ -57,6 +61,19 @@ async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, l
                        changed_policy_tokens=changed_policy_tokens(rows, chat.history.row_turns()),
                        tool_latency_s=chat.env_seconds(time.perf_counter()))
     return rows, result
+
+
+def checked_result(result: EpisodeResult, source: str = "the environment") -> EpisodeResult:
+    """What an episode returned, as the trainer may take it: a reward reward_check accepts (a
+    finite number within bounds; else NonNumericReward / NonFiniteReward / RewardOutOfBounds,
+    raised here so the episode is an error counted by kind, scored 0), `correct` a bool or
+    None, `info` a dict. Anything else (not an EpisodeResult, an info of another type) raises
+    too: an environment's bug is its episode's error, never the env rank's crash."""
+    if not isinstance(result.info, dict):
+        raise TypeError(f"the episode's result info is {type(result.info).__name__}, not a dict")
+    correct = None if result.correct is None else bool(result.correct)
+    return EpisodeResult(checked_reward(result.reward, source), correct,
+                         bool(result.truncated), dict(result.info))
 
 
 @dataclass

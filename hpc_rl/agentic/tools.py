@@ -36,7 +36,11 @@ def parse_tool_calls(parser, text: str, turn: int, name: str = "pythonic") -> Tu
     """(content, tool calls in the OpenAI shape, whether the text looked like a call the
     parser could not read). Call ids are `call_<turn>_<i>`, not the parser's random ones, so
     that a template that renders them renders the same text on a rerun."""
-    info = parser.extract_tool_calls(text, None)
+    try:
+        info = parser.extract_tool_calls(text, None)
+    except Exception:  # a parser that fails on the policy's text (deep nesting, odd bytes): a
+        # malformed turn, counted, never the episode's error
+        return text, [], True
     calls = []
     for i, c in enumerate(info.tool_calls if info.tools_called else []):
         calls.append({"id": f"call_{turn}_{i}", "type": "function",
@@ -51,7 +55,7 @@ def call_arguments(call: dict) -> Optional[dict]:
     """A tool call's arguments as a dict; None when they are not a JSON object."""
     try:
         args = json.loads(call.get("function", {}).get("arguments") or "{}")
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested past json's limit
         return None
     return args if isinstance(args, dict) else None
 

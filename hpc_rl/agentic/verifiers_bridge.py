@@ -42,13 +42,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from hpc_rl.envs.jail import Jail, JailDir, interpreter_paths, unavailable
+from hpc_rl.envs.reward_check import checked_reward
+
 from .contract import EpisodeResult, Truncated, stable_index
 from .loopback_proxy import LoopbackProxy
 
 log = logging.getLogger("hpc_rl.agentic.verifiers")
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = ".venv-verifiers/bin/python"
+UV_INDEX = "uv-index"  # in the virtualenv: what a harness's uv script may install, offline (envs/wheel_index.py)
 WORKER = Path(__file__).with_name("verifiers_worker.py")
+RELAY = Path(__file__).with_name("unix_bridge.py")  # the worker imports it from its own directory
+DIR_PREFIX = "hpc_rl_verifiers_"  # a worker's 0700 jail directory under /tmp (jail.JailDir)
 EPISODE_FIELD = "hpc_rl_episode"  # verifiers_worker.EPISODE_FIELD (that module is the venv's: not imported here)
 REJECT_LABEL = "verifiers_proxy"  # the auth counters' kind for requests without the proxy's key
 # sampling fields a verifiers request may carry: the renderer's stop ids (checked), logprobs (always
@@ -137,22 +143,33 @@ class Proxy(LoopbackProxy):
                                                "finish_reason": finish}]})
 
 
+def jailed(python: Path, files, home: str, read_only=()) -> list:
+    """The command line that runs `python` with `files` (the worker, or -c code) in the jail an
+    environment library gets (hpc_rl/envs/jail.py): its own pid, mount, user and network
+    namespaces, the virtualenv (and what its .pth files name), the worker's two files and
+    `read_only` (the tokenizer) read-only, `home` its only writable place, no HPC_RL_JOB_KEY
+    or other credential. It reaches the rank's proxy through `home`/proxy.sock."""
+    # uv (the venv's) prepares a harness's PEP 723 program; with no network it installs from the
+    # virtualenv's local index (`make verifiers-env` fills it for the null harness's program)
+    uv = {"UV_DEFAULT_INDEX": (python.parent.parent / UV_INDEX).as_uri(), "UV_PYTHON_DOWNLOADS": "never"}
+    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), *read_only], env=uv,
+                path=f"{python.parent}:/usr/local/bin:/usr/bin:/bin")
+    return jail.argv([str(python), *files])
+
+
 class Worker:
     """The verifiers worker process and its JSON-line channel; answers resolve futures."""
 
-    def __init__(self, python: Path, init: dict, start_timeout_s: float = 600.0):
+    def __init__(self, python: Path, init: dict, home: str, read_only=(), start_timeout_s: float = 600.0):
         if not python.exists():
             raise FileNotFoundError(f"{python}: the verifiers virtualenv is missing; run `make verifiers-env`")
-        env = {k: v for k, v in os.environ.items() if k not in ("HPC_RL_JOB_KEY", "PYTHONPATH", "PYTHONHOME")}
-        env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"  # uv, for the null harness's program
-        env["PYTHONUNBUFFERED"] = "1"
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending: Dict[Any, concurrent.futures.Future] = {}
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         started: concurrent.futures.Future = concurrent.futures.Future()
-        threading.Thread(target=self._read, args=([str(python), str(WORKER)], env, started), daemon=True,
-                         name="hpc_rl-verifiers-worker").start()
+        argv = jailed(python, [str(WORKER)], home, read_only)
+        threading.Thread(target=self._read, args=(argv, started), daemon=True, name="hpc_rl-verifiers-worker").start()
         self.proc = started.result(60)
         self._write(init)
         self.info = self._ready.result(start_timeout_s)
@@ -162,14 +179,14 @@ class Worker:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
 
-    def _read(self, argv, env, started) -> None:
+    def _read(self, argv, started) -> None:
         """Start the worker, then read its answers. Started here, in a thread that lives as
         long as the worker: the worker's parent-death signal (prctl) follows the thread that
         started it, and a round's executor thread would take it down with it. It runs in the
         rank's process group, so the rank's supervisor kills it with the rank's leftovers."""
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=env,
-                                         text=True, bufsize=1)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+                                         bufsize=1, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
         except OSError as exc:
             started.set_exception(exc)
             return
@@ -250,9 +267,13 @@ class VerifiersEpisode:
         with self._lock:
             if self.worker is None:
                 self.proxy = self.proxy or Proxy(self.model_name)
+                self.home = JailDir(DIR_PREFIX)
+                sock = f"{self.home.path}/proxy.sock"
+                self.proxy.serve_unix(sock)  # the worker's only way out of its network namespace
                 init = {"op": "init", "env": self.env_config(), "model": self.model_name,
-                        "renderer_model": self.renderer_model, "base_url": self.proxy.url, "key": self.proxy.key}
-                self.worker = Worker(venv_python(self.python), init, self.start_timeout_s)
+                        "renderer_model": self.renderer_model, "proxy_socket": sock, "key": self.proxy.key}
+                renderer = [self.renderer_model] if Path(self.renderer_model).exists() else []
+                self.worker = Worker(venv_python(self.python), init, self.home.path, renderer, self.start_timeout_s)
                 log.info("verifiers %s: %s over %s (%d tasks), harness %s, runtime %s", self.worker.info["verifiers"],
                          self.worker.info["env"], self.worker.info["taskset"], self.worker.info["tasks"], self.harness,
                          self.runtime)
@@ -278,13 +299,18 @@ class VerifiersEpisode:
         if out["errors"]:
             e = out["errors"][-1]
             raise verifiers_error(e["type"], e["message"])
-        reward = float(out["reward"])
-        correct = out["max_reward"] > 0 and reward >= out["max_reward"]  # every reward at its full score
+        # the rubric's sum and its weights come from the environment: NaN, text or None is this
+        # episode's error, counted by kind (reward_check), never a NaN for the trainer
+        reward = checked_reward(out.get("reward"), f"verifiers {self.taskset}")
+        max_reward = checked_reward(out.get("max_reward"), f"verifiers {self.taskset} (max_reward)")
+        correct = max_reward > 0 and reward >= max_reward  # every reward at its full score
         return EpisodeResult(reward, correct, info={"verifiers_rewards": out["rewards"], "verifiers_turns": out["turns"]})
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if getattr(self, "home", None) is not None:
+            self.home.close()
 
 
 PREFLIGHT = """
@@ -303,9 +329,17 @@ def preflight(v) -> list:
     python = venv_python(v.python)
     if not python.exists():
         return []  # config/validate_agentic.py names the missing virtualenv
+    if unavailable():
+        return [("env.agentic.environment", "verifiers", unavailable(), "install bubblewrap on the env nodes")]
     env = episode_of(v).env_config()
-    proc = subprocess.run([str(python), "-c", PREFLIGHT], input=json.dumps(env), capture_output=True, text=True,
-                          timeout=300, env={k: val for k, val in os.environ.items() if k not in ("HPC_RL_JOB_KEY", "PYTHONPATH")})
+    home = JailDir(DIR_PREFIX)  # in the jail the worker runs in: what resolves there, resolves for the worker
+    try:
+        proc = subprocess.run(jailed(python, ["-c", PREFLIGHT], home.path), input=json.dumps(env), capture_output=True,
+                              text=True, timeout=300, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.CompletedProcess([], 1, "", f"{type(exc).__name__}: {exc}")
+    finally:
+        home.close()
     if proc.returncode == 0:
         return []
     lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]

@@ -3,14 +3,17 @@ by `make verifiers-env`), started by an env rank (verifiers_bridge.py) as
 `.venv-verifiers/bin/python hpc_rl/agentic/verifiers_worker.py`.
 
 It imports nothing of hpc_rl (that package needs torch and vLLM, and vLLM's openai 3 is what
-verifiers 0.4.0 refuses): the standard library and verifiers' public API only.
+verifiers 0.4.0 refuses): the standard library, verifiers' public API, and unix_bridge.py
+beside it (stdlib only). It runs in the env rank's jail for environment libraries
+(hpc_rl/envs/jail.py): its own network namespace, left through `proxy_socket`, a unix socket
+in its jail directory that the rank's proxy listens on, relayed from a local port.
 
 Protocol: JSON lines. The parent writes requests to this process's stdin; answers go to the
 stdout the process started with, which is kept for the protocol alone (anything verifiers or
 a harness prints goes to stderr, the rank's log). Requests:
 
   {"op": "init", "env": {...verifiers EnvConfig...}, "model": name, "renderer_model": path,
-   "base_url": "http://127.0.0.1:PORT", "key": proxy key}
+   "proxy_socket": path (or "base_url": "http://127.0.0.1:PORT"), "key": proxy key}
       -> {"op": "ready", "tasks": n, "env": class, "taskset": class, "verifiers": version}
   {"op": "cancel", "id": k}: stop run k (no answer)
   {"op": "run", "id": k, "index": i, "episode": token}
@@ -39,11 +42,12 @@ EPISODE_FIELD = "hpc_rl_episode"  # the sampling field that names the episode to
 
 def _die_with_parent() -> None:
     """SIGKILL this process when the env rank that started it dies (Linux prctl)."""
+    parent = os.getppid()  # in the jail's pid namespace that is its init (pid 1), not a sign of a dead parent
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    if os.getppid() == 1:  # the parent died before the prctl
+    if os.getppid() != parent:  # the parent died before the prctl
         os._exit(1)
 
 
@@ -63,10 +67,16 @@ class Worker:
         from verifiers.v1.utils.loaders import load_environment, resolve_env_config
 
         os.environ[KEY_VAR] = req["key"]  # read by verifiers' client; never in argv, a file or a log
+        base_url = req.get("base_url")
+        if req.get("proxy_socket"):  # in a network namespace of its own: out through the jail directory's socket
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from unix_bridge import serve_relays
+
+            base_url = "http://127.0.0.1:%d" % serve_relays(outward=req["proxy_socket"])
         config = resolve_env_config(req["env"])
         self.env = load_environment(config)
         self.tasks = list(self.env.taskset)
-        client = vf.TrainClientConfig(base_url=req["base_url"], api_key_var=KEY_VAR,
+        client = vf.TrainClientConfig(base_url=base_url, api_key_var=KEY_VAR,
                                       renderer_model_name=req["renderer_model"])
         self.model, self.client = req["model"], client
         return {"op": "ready", "tasks": len(self.tasks), "env": type(self.env).__name__,

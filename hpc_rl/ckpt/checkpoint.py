@@ -6,7 +6,7 @@ Layout of one checkpoint, `<root>/step_<step:08d>/`:
     extra_state_rank<r>.pt     per-rank trainer state (data position, RNG, counters, rollout buffer), torch.save
     config.yaml                the resolved run config
     manifest.json              written last: step, time, recipe, model fingerprint, every file with its size
-                               (and sha256 for the non-DCP files)
+                               (and sha256 for the non-DCP files), whether the weights were finite
 
 A save writes everything into `<root>/.tmp_step_<step>_<uuid>/` and renames it into place
 only once every rank has finished, so a kill at any moment leaves either a complete
@@ -34,6 +34,8 @@ from typing import Callable, Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hpc_rl.rundir import fsync_dir
+from hpc_rl.models.nonfinite import all_ranks_finite, tensors_finite
 from hpc_rl.runtime import sealed
 
 log = logging.getLogger(__name__)
@@ -116,20 +118,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    # Makes a rename or a new directory entry durable; not every filesystem allows it (e.g. some FUSE mounts).
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_text_durable(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -141,7 +129,7 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
     _write_text_durable(tmp, json.dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
@@ -186,6 +174,14 @@ def _dcp_state(backend, optimizers: list) -> Tuple[Dict[str, Any], Dict[str, Any
     return get_state_dict(backend.model, optimizers)
 
 
+def _weights_finite(model_sd: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether every rank's part of the weights is finite (a collective of the group): one
+    reduction per tensor, far cheaper than writing it."""
+    tensors = [v for v in model_sd.values() if isinstance(v, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return all_ranks_finite(tensors_finite(tensors), group if _distributed(group) else None, device)
+
+
 def _dcp_kwargs(group: Optional[dist.ProcessGroup]) -> Dict[str, Any]:
     # group=None means this backend is not sharded: never fall back to the default (world) group,
     # which in an hpc_rl job also holds generator/teacher ranks that are not saving.
@@ -226,6 +222,7 @@ def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], confi
 
     optimizers = _optimizers(backend, for_save=True)
     model_sd, optim_sd = _dcp_state(backend, optimizers)
+    finite = _weights_finite(model_sd, group)
     state = {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
     _dcp_call(dcp.save, state, tmp / DCP_DIR, group)
 
@@ -265,10 +262,21 @@ def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], confi
             "has_optimizer_state": bool(optimizers),
             "fingerprint": model_fingerprint(backend.model),
             "files": files,
+            # retention keeps the newest finite checkpoint, resume passes non-finite ones over
+            "weights_finite": finite,
         }
+        guard = getattr(backend, "nonfinite", None)  # skipped non-finite steps (models/nonfinite.py)
+        if guard is not None:
+            manifest["nonfinite_steps"] = guard.state_dict()
+        if not finite:
+            log.warning("checkpoint step %d: the weights are not finite (NaN or inf); saved and marked so", step)
+        # DCP fsyncs its shards, not the directories that name them: without this a crash can
+        # leave a manifest promising a shard whose directory entry never reached the disk.
+        for d in sorted(q for q in tmp.rglob("*") if q.is_dir()):
+            fsync_dir(d)
         # The manifest goes last: its presence is what makes the directory a checkpoint.
         _write_text_durable(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if final.exists():
             # Re-saving a step (resumed from an earlier checkpoint, or this one was corrupt):
@@ -276,7 +284,7 @@ def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], confi
             old = root / f"{_TMP_PREFIX}old_{final.name}_{token[0]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         _write_json_atomic(root / STATUS_FILE, {"step": step, "path": str(final.resolve()), "time": now,
@@ -334,35 +342,6 @@ def verify_checkpoint(path) -> Dict[str, Any]:
     return manifest
 
 
-def apply_retention(root, keep_last: int, keep_every: Optional[int] = None) -> List[Path]:
-    """Keep the newest `keep_last` complete checkpoints and every one whose step is a multiple of
-    `keep_every`; delete the others, step directories without a manifest, and stale `.tmp_*`
-    entries. Call it only while no save is in flight (the trainer does, right after a save).
-    Returns the deleted paths."""
-    if keep_last < 1:
-        # The newest checkpoint is the one a requeue resumes from; never delete it.
-        raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    complete, incomplete = [], []
-    for step, p in list_checkpoints(root):
-        (complete if (p / MANIFEST).is_file() else incomplete).append((step, p))
-    keep = {p for _, p in complete[-keep_last:]}
-    if keep_every:
-        keep |= {p for step, p in complete if step % keep_every == 0}
-    doomed = [p for _, p in complete if p not in keep] + [p for _, p in incomplete]
-    doomed += [p for p in root.iterdir() if p.name.startswith(_TMP_PREFIX)]
-    for p in doomed:
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-    if doomed:
-        log.info("checkpoint retention removed %s", [p.name for p in doomed])
-    return doomed
-
-
 def load_checkpoint(path, backend, group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     """Restore model, optimizer and `backend.step_count` from `path` (every rank of `group` calls
     it; the world size may differ from the save's, DCP reshards) and return this rank's
@@ -382,6 +361,8 @@ def load_checkpoint(path, backend, group: Optional[dist.ProcessGroup] = None) ->
     else:
         set_state_dict(backend.model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
     backend.step_count = int(manifest.get("backend_step_count", manifest["step"]))
+    if getattr(backend, "nonfinite", None) is not None and "nonfinite_steps" in manifest:
+        backend.nonfinite.load_state_dict(manifest["nonfinite_steps"])  # a skip streak goes on across a requeue
 
     rank = _group_rank(group)
     extra = path / _extra_name(rank)

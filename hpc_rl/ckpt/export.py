@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from hpc_rl.rundir import fsync_dir, fsync_tree
+
 # Tokenizer files a HF tokenizer directory may hold; copied verbatim.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -140,9 +142,11 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
             for f in copied:
                 shutil.copy2(tok / f, tmp / f)
 
+        fsync_tree(tmp)  # the export is the run's product: on disk before its name says it is complete
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
+        fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

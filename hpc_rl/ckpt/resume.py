@@ -26,9 +26,31 @@ class ResumeScan:
         return self.path is not None
 
 
+class MixedRunsError(RuntimeError):
+    """checkpoint.resume=false over a directory that already holds checkpoints."""
+
+    no_retry = True  # a requeue would meet the same checkpoints: the batch shell does not retry
+
+
+def fresh_start_conflict(root) -> Optional[str]:
+    """Why a fresh run (checkpoint.resume=false) cannot save under `root`; None when it holds no
+    checkpoint. Retention keeps the newest steps: an earlier run's higher steps would outlive
+    this run's saves, which it deletes, and a later resume would pick the earlier run's."""
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    return (f"{root} already holds {len(found)} checkpoint(s), the newest {found[-1][1].name}: a fresh run there would "
+            f"mix with them (retention keeps the newest steps, theirs, deleting this run's saves; a later resume picks theirs)")
+
+
+def fresh_start_fix(root) -> str:
+    return (f"start fresh in a new directory (another run.dir, or none: each launch makes its own; another checkpoint.dir "
+            f"if it is set), continue those checkpoints with checkpoint.resume=true, or delete {root}")
+
+
 def _fresh_hint(root: Path) -> str:
-    return ("to start fresh, set checkpoint.resume=false (existing checkpoints are then ignored and "
-            "overwritten) or checkpoint.dir=<new dir>; to resume from it, run the recipe and model it was written for")
+    return ("to start fresh, use a new run.dir (or none: each launch makes its own) or checkpoint.dir=<new dir>, "
+            f"or delete {root}; to resume from it, run the recipe and model it was written for")
 
 
 def check_compatible(manifest: Dict[str, Any], fingerprint: Fingerprint, recipe: Optional[str], path: Path) -> None:
@@ -54,8 +76,9 @@ def check_compatible(manifest: Dict[str, Any], fingerprint: Fingerprint, recipe:
 
 
 def find_resumable(root, fingerprint: Fingerprint, recipe: Optional[str]) -> ResumeScan:
-    """The newest complete checkpoint under root, verified; corrupt ones are skipped (logged and
-    listed in `.skipped`) for the previous one. Raises IncompatibleCheckpointError when that
+    """The newest complete checkpoint under root, verified; corrupt ones, and ones whose weights
+    were not finite when saved (training them again would only repeat non-finite steps), are
+    skipped (logged and listed in `.skipped`) for the previous one. Raises IncompatibleCheckpointError when that
     checkpoint was written for another recipe or model: resuming it silently would train the
     wrong thing."""
     root = Path(root)
@@ -68,6 +91,11 @@ def find_resumable(root, fingerprint: Fingerprint, recipe: Optional[str]) -> Res
             scan.skipped.append((path, str(e)))
             continue
         check_compatible(manifest, fingerprint, recipe, path)
+        if manifest.get("weights_finite") is False:  # retention keeps an older finite one (retention.py)
+            why = f"{path}: its weights were not finite (NaN or inf) when it was saved"
+            log.warning("skipping checkpoint: %s", why)
+            scan.skipped.append((path, why))
+            continue
         scan.path, scan.step = path, int(manifest["step"])
         break
     return scan

@@ -43,6 +43,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate_async.py", "checked"),
     ("config/validate_logging.py", "checked"),
     ("config/validate_agentic.py", "checked"),
+    ("config/validate_rundir.py", "checked"),
     ("rl/inputs.py", "inputs"),
     ("slurm/preflight.py", "cluster"),
     ("config/support.py", "refused"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
 from .schema_agentic import AgenticConfig
+from .schema_trainer import OptimizerConfig, SchedulerConfig
 from .trace import Traced
 
 # The experiment loggers `logger` may list; hpc_rl/observe/loggers.py registers one backend
@@ -33,6 +34,9 @@ class RunSection(Traced):
     name: Optional[str] = None  # defaults to the recipe's name
     root_dir: str = "runs"  # run directories are created under this
     dir: Optional[str] = None  # an explicit run directory (resume, tests); else <root_dir>/<name>-<time>
+    # The run directory's mode, octal ("0750": the group may read); ranks execute what it holds, so
+    # group or other write bits are refused. Its files and subdirectories are made under the matching umask.
+    dir_mode: str = "0700"
     # Seeds the synthetic tasks, the prompt order, the eval prompts, the vLLM engines (seed + engine
     # index) and every request's sampling seed (a function of seed, step and position).
     seed: int = 1234
@@ -153,23 +157,6 @@ class RoleResources(Traced):
 
 
 @dataclass
-class OptimizerConfig(Traced):
-    name: Literal["adamw", "adam"] = "adamw"  # adamw: decoupled weight decay; adam: decay added to the gradient
-    lr: float = 1e-6  # learning rate after warmup (constant from then on)
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's (beta1, beta2)
-    eps: float = 1e-8  # Adam's epsilon
-    weight_decay: float = 0.0  # weight decay coefficient
-    grad_clip: float = 1.0  # gradients are clipped to this total L2 norm before each optimizer step
-
-
-@dataclass
-class SchedulerConfig(Traced):
-    name: Literal["constant_with_warmup"] = "constant_with_warmup"  # the only schedule: linear warmup, then constant
-    warmup_steps: int = 0  # optimizer steps of the warmup; 0: optimizer.lr from the first step
-    warmup_start_lr: float = 0.0  # linear ramp from this to optimizer.lr over warmup_steps
-
-
-@dataclass
 class TrainerConfig(RoleResources):
     # What trains the student and runs the teachers: fsdp2 (torch FSDP2, CPU or GPU) or megatron
     # (megatron-core, GPU clusters only).
@@ -182,6 +169,9 @@ class TrainerConfig(RoleResources):
     micro_batch_size: int = 1  # sequences per forward/backward on one data-parallel rank (gradients accumulate)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # the student's optimizer
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # the learning rate per optimizer step
+    # Optimizer steps in a row that may be skipped for a non-finite loss or gradient norm (nothing is
+    # applied); one more fails the run. 0: the first such step fails it (hpc_rl/models/nonfinite.py).
+    max_nonfinite_steps: int = 3
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .validate_agentic import check_agentic
 from .validate_async import check_in_flight
 from .validate_generator import check_generator
 from .validate_logging import check_logging
+from .validate_rundir import check_run_dir
 
 
 def _divisors(n: int) -> List[int]:
@@ -145,6 +146,7 @@ def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
     check_positive(out, "trainer.max_seq_len", t.max_seq_len)
     check_positive(out, "trainer.micro_batch_size", t.micro_batch_size)
     check_positive(out, "trainer.global_batch_size", t.global_batch_size)
+    check_positive(out, "trainer.max_nonfinite_steps", t.max_nonfinite_steps, minimum=0)  # 0: the first one fails
     cp, tp = t.parallel.cp, t.parallel.tp
     if cp > 1 and t.max_seq_len > 0:
         # Context parallel load-balances causal attention by cutting sequences into 2*cp chunks;
@@ -367,6 +369,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_launch,
     check_logging,
     check_agentic,
+    check_run_dir,
 ]
 
 

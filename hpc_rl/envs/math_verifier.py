@@ -19,7 +19,10 @@ trailing zeros ("42.00"), "-0" == "0", \\frac{3}{4} == "3/4" == "0.75".
 math-verify runs in this process on the main thread (its SIGALRM timeouts work there) and in
 a helper process from any other thread (math_worker.py), so its timeouts bound the call
 either way (the helper's deadline on top). Nothing here raises on a response: what cannot be
-judged scores 0, with the reason in `VerifierResult.reason`.
+judged scores 0, with the reason in `VerifierResult.reason`. Whole numbers are compared as
+digit strings, never through int(): Python refuses to convert more than 4300 digits
+(sys.set_int_max_str_digits), and a policy can write 10^5 of them. Answers nested deeper than
+MAX_NESTING brackets are not handed to math-verify (its parse time grows steeply with depth).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 import signal
 import threading
 import time
+import unicodedata
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import List, Optional
@@ -37,6 +41,10 @@ from typing import List, Optional
 # the whole call on top; past it the helper is killed.
 TIMEOUT_S = 5
 HELPER_DEADLINE_S = 6 * TIMEOUT_S + 10
+# Brackets ({ ( [) nested deeper than this in what math-verify would parse: scored 0 unjudged.
+# Measured here: math-verify takes about 1 s at 8 levels, 2 s at 12, its 5 s timeout from 16;
+# no real answer nests that deep, and a policy writing "{{{{..." must not cost 15 s a row.
+MAX_NESTING = 12
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,9 @@ class VerifierResult:
     reward: float  # 1.0 when correct, else 0.0
     extracted: Optional[str]  # the answer as found in the response; None when none was found
     reason: Optional[str] = None  # why the answer could not be judged (None when it was)
+    # the kind of failure (an exception's class name) when scoring itself failed: the verifier
+    # raised or returned a bad reward (registry.score sets it; the env rank counts it)
+    error: Optional[str] = None
 
 
 # A sign counts only where it cannot be a binary operator ("8-5" is 8 and 5, not 8 and -5).
@@ -58,19 +69,28 @@ _FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _PLAIN_NUM_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 _WHOLE_NUM_RE = re.compile(r"-?\d+(?:\.0*)?")
 _LATEX_RE = re.compile(r"\$|\\[a-zA-Z(\[]")  # markup math-verify can read
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+_BRACE_RE = re.compile(r"[{}]")
 
 
-def _boxed_contents(text: str) -> List[str]:
-    """The contents of every \\boxed{...}, matching nested braces."""
-    out = []
-    for m in re.finditer(r"\\boxed\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            out.append(text[m.end():i - 1])
-    return out
+def _last_boxed(text: str) -> Optional[str]:
+    """The contents of the last closed \\boxed{...} (braces may nest), or None. One pass over
+    the braces with a stack: scanning on from each \\boxed{ would be quadratic, and a policy
+    writing "\\boxed{" 10^4 times kept this loop busy for 46 s a row."""
+    opens = {m.end() - 1 for m in _BOXED_RE.finditer(text)}  # where each \\boxed's brace is
+    if not opens:
+        return None
+    stack: List[Optional[int]] = []  # per open brace: its index if it opens a \\boxed, else None
+    last = None
+    for m in _BRACE_RE.finditer(text, min(opens)):
+        i = m.start()
+        if text[i] == "{":
+            stack.append(i if i in opens else None)
+        elif stack:
+            j = stack.pop()
+            if j is not None and (last is None or j > last[0]):
+                last = (j, i)
+    return text[last[0] + 1:last[1]] if last else None
 
 
 def _clean_latex(s: str) -> str:
@@ -86,9 +106,9 @@ def _last_number(text: str) -> Optional[str]:
 
 def extract_answer(text: str) -> Optional[str]:
     """The final number by this module's own rules (boxed, ####, answer:, last number), or None."""
-    boxed = _boxed_contents(text)
-    if boxed:
-        return _last_number(boxed[-1])
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return _last_number(boxed)
     for pattern in (_HASHES_RE, _ANSWER_RE):
         found = pattern.findall(text)
         if found:
@@ -101,23 +121,52 @@ def _normalise(s: str) -> Optional[str]:
     s = s.strip().replace("\u2212", "-").replace(",", "").rstrip(".")  # "42." ends a sentence
     num, slash, den = s.partition("/")
     parts = [num, den] if slash else [num]
-    if not all(_PLAIN_NUM_RE.fullmatch(p) for p in parts) or (slash and Fraction(den) == 0):
+    # a zero denominator is all zeros: no Fraction() here, whose int() refuses > 4300 digits
+    if not all(_PLAIN_NUM_RE.fullmatch(p) for p in parts) or (slash and not re.search("[1-9]", den)):
         return None
     return "/".join(p.lstrip("+") for p in parts)
 
 
 def parse_number(s: str) -> Optional[Fraction]:
-    """'1,000' / '+5' / '42.00' / '-0' / '3/4' -> an exact Fraction; None if not a number."""
+    """'1,000' / '+5' / '42.00' / '-0' / '3/4' -> an exact Fraction; None if not a number, or
+    one too long for Python to convert (more digits than sys.get_int_max_str_digits())."""
     n = _normalise(s)
     if n is None:
         return None
     num, _, den = n.partition("/")
-    return Fraction(num) / Fraction(den) if den else Fraction(num)
+    try:
+        return Fraction(num) / Fraction(den) if den else Fraction(num)
+    except ValueError:  # past the int digit limit
+        return None
 
 
-def _whole(n: str) -> Optional[int]:
-    """A normalised number's value when it is a whole number written as one ("42", "-0", "42.00")."""
-    return int(n.partition(".")[0]) if _WHOLE_NUM_RE.fullmatch(n) else None
+def canonical_integer(s: str) -> str:
+    """A signed run of decimal digits ("+007", "-0", "\u0664\u0662") in one spelling ("7", "0",
+    "42"): what int() would make of it, as text of any length (int() refuses > 4300 digits)."""
+    s = s.strip()
+    sign, digits = (s[0], s[1:]) if s[:1] in ("-", "+") else ("", s)
+    if not digits.isascii():  # \d and int() read every script's digits
+        digits = "".join(str(unicodedata.decimal(c)) for c in digits)
+    digits = digits.lstrip("0") or "0"
+    return digits if digits == "0" or sign != "-" else "-" + digits
+
+
+def _whole(n: str) -> Optional[str]:
+    """A normalised whole number ("42", "-0", "42.00") in one spelling ("42", "0", "42"), or
+    None when `n` is not one; compared as text, digit by digit."""
+    return canonical_integer(n.partition(".")[0]) if _WHOLE_NUM_RE.fullmatch(n) else None
+
+
+def nesting(text: str) -> int:
+    """The deepest bracket nesting ({ ( [ together) in `text`; one pass, no recursion."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "})]" and depth:
+            depth -= 1
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -139,9 +188,9 @@ def _number(found: str, latex: Optional[str] = None) -> _Answer:
 
 def final_answer(text: str) -> Optional[_Answer]:
     """Where the final answer is and how to judge it, or None when there is none."""
-    boxed = _boxed_contents(text)
-    if boxed:
-        return _number(_clean_latex(boxed[-1]).strip(), boxed[-1])
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return _number(_clean_latex(boxed).strip(), boxed)
     for pattern in (_HASHES_RE, _ANSWER_RE):
         found = pattern.findall(text)
         if found:
@@ -194,5 +243,18 @@ def verify_math(response: str, answer: str) -> VerifierResult:
         a, b = _whole(ans.text), _whole(ref)
         if a is not None and b is not None:  # the fast path: two whole numbers
             return VerifierResult(a == b, 1.0 if a == b else 0.0, ans.shown)
+    if max(nesting(ans.text), nesting(gold)) > MAX_NESTING:
+        return VerifierResult(False, 0.0, ans.shown, f"nested deeper than {MAX_NESTING} brackets: not judged")
     correct, shown, reason = _judge(ref if ref is not None else gold, ans)
     return VerifierResult(correct, 1.0 if correct else 0.0, shown, reason)
+
+
+def math_answer_problem(answer: str) -> Optional[str]:
+    """Why verify_math cannot score against this reference answer (a load-time row check), or
+    None. Anything else it reads: a plain number exactly, other text through math-verify, or
+    as trimmed text when math-verify cannot parse it."""
+    if not answer.strip():
+        return "is empty"
+    if nesting(answer) > MAX_NESTING:
+        return f"nests brackets deeper than {MAX_NESTING} levels: the math verifier does not judge such answers"
+    return None

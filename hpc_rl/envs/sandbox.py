@@ -2,7 +2,9 @@
 that does not depend on the caller's teardown running.
 
 What a sandboxed command gets (bwrap flags): new user, pid, network, ipc, uts and cgroup
-namespaces (no network: only the namespace's own loopback); the host's root read-only;
+namespaces (no network: only the namespace's own loopback); of the host's files only the
+system directories a Python or a shell needs, read-only (jail.system_view: /usr and the /etc
+files on an allow list; never the home, the run directory, the data or the checkpoints);
 a fresh /dev and /proc; a private /tmp that is the only writable place (a size-capped tmpfs,
 or a host scratch directory the caller owns); an empty /run (daemons' sockets); no
 environment from the caller (the job's secret, HPC_RL_JOB_KEY, lives there) except what
@@ -11,8 +13,11 @@ running as root starts it as an unprivileged uid (nobody), so the sandbox holds 
 capability outside its namespaces and RLIMIT_NPROC applies (root is exempt from it); the
 tool's interpreter must then be one nobody can run (a Python under /root is not).
 
-Limits: rlimits, because they need nothing delegated: CPU seconds (SIGXCPU), address space
-(a crude memory cap: an allocation past it fails), file size and no core files, set in the
+Limits: over the whole sandbox where the node lets the rank make cgroups (sandbox_cgroup.py:
+cgroup v2, else v1; memory and process count of all its processes together, the kernel's OOM
+killer inside the sandbox: killed_by "memory"; `SandboxResult.limits_scope` says which held),
+and in every case rlimits, which need nothing delegated: CPU seconds (SIGXCPU), address space
+(a per-process memory cap: an allocation past it fails), file size and no core files, set in the
 child before bwrap starts; processes (RLIMIT_NPROC) set by util-linux's `prlimit` inside
 the sandbox, where the count covers this sandbox's user namespace only (set outside, it
 would count every sandbox of the uid on the node). A wall-time limit kills the whole
@@ -34,9 +39,8 @@ Why nothing is left behind, however the caller ends:
 Used by the python_tool environment (hpc_rl/agentic/python_tool.py): its env rank's tool
 calls, the episode's deadline plus a scoring buffer as `deadline`, `reap_leftovers` at the
 rank's start, counts in the metrics. Apptainer and enroot command lines are rendered by
-container_sandbox.py, not run. Not done yet: cgroup v2 limits (memory.max, pids.max,
-cpu.max) where the cgroup is delegated to the job, which would replace the address-space
-cap; running Apptainer or enroot as the sandbox. bubblewrap 0.8 or newer
+container_sandbox.py, not run. Not done yet: cpu.max (CPU time is the rlimit's, per
+process); running Apptainer or enroot as the sandbox. bubblewrap 0.8 or newer
 is required (tmpfs `--size`, `--disable-userns`): check `bwrap --version` on older
 distributions.
 """
@@ -58,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from .jail import system_view
+from .sandbox_cgroup import SandboxCgroup, join_in_child, placement, sweep
 from .seccomp import filter_program
 
 MARK = "HPC_RL_SANDBOX"
@@ -96,7 +102,9 @@ class SandboxResult:
     stderr_truncated: bool
     timed_out: bool
     wall_s: float
-    killed_by: Optional[str]  # "wall_time", or the signal that ended the command ("SIGXCPU", ...)
+    killed_by: Optional[str]  # "wall_time", "memory" (the sandbox's cgroup limit), or the signal ("SIGXCPU", ...)
+    limits_scope: str = "process"  # where memory and process limits held: "cgroup v2", "cgroup v1" or "process"
+    peak_memory_bytes: Optional[int] = None  # the whole sandbox's, where a cgroup measured it
 
 
 @dataclass
@@ -128,8 +136,10 @@ class Sandbox:
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", **self.env, MARK: marker}
         return [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session",
-                "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc", "--tmpfs", "/run",
-                *scratch, "--chdir", "/tmp", "--seccomp", str(seccomp_fd), "--clearenv",
+                # the system directories a Python or a shell needs, read-only; never the home, the run
+                # directory, the data or the checkpoints (jail.system_view); the root's tmpfs read-only
+                *system_view(), "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc", "--tmpfs", "/run",
+                *scratch, "--remount-ro", "/", "--chdir", "/tmp", "--seccomp", str(seccomp_fd), "--clearenv",
                 *[a for k, v in env.items() for a in ("--setenv", k, v)],
                 "--", "prlimit", f"--nproc={limits.nproc}", "--", *cmd]
 
@@ -162,6 +172,14 @@ class Sandbox:
             self.check()
         lim = limits or self.limits
         marker = f"{self.tag}:{os.getpid()}.{next(_calls)}"
+        cg = SandboxCgroup(marker.replace(":", "_"), lim.memory_bytes, lim.nproc) if placement().parents else None
+        try:
+            return self._run(cmd, marker, lim, deadline, on_start, cg)
+        finally:
+            if cg is not None:
+                cg.remove()
+
+    def _run(self, cmd, marker, lim, deadline, on_start, cg) -> SandboxResult:
         with tempfile.TemporaryFile() as prog:  # bwrap reads the filter from an fd
             prog.write(filter_program())
             prog.seek(0)
@@ -170,8 +188,8 @@ class Sandbox:
             proc = subprocess.Popen(
                 self.argv(cmd, marker, prog.fileno(), lim), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, pass_fds=(prog.fileno(),), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                start_new_session=True, user=self.run_as, group=self.run_as,
-                extra_groups=[] if self.run_as is not None else None, preexec_fn=_child_setup(lim, os.getpid()))
+                start_new_session=True,
+                preexec_fn=_child_setup(lim, os.getpid(), cg.join_files if cg else [], self.run_as))
         try:
             if on_start is not None:
                 on_start(proc.pid)
@@ -190,13 +208,17 @@ class Sandbox:
             _wait_gone(marker, time.monotonic() + 10.0)
         rc = rc if rc >= 0 else 128 - rc
         killed_by = "wall_time" if timed_out else (_signal_name(rc - 128) if rc > 128 else None)
+        if cg is not None and cg.oom_kills() and not timed_out:
+            killed_by = "memory"  # the kernel killed a process of the sandbox at its cgroup's memory limit
         return SandboxResult(rc, out[0].decode(errors="replace"), err[0].decode(errors="replace"), out[1], err[1],
-                             timed_out, time.monotonic() - t0, killed_by)
+                             timed_out, time.monotonic() - t0, killed_by, cg.scope if cg else "process",
+                             cg.peak_bytes() if cg else None)
 
 
-def _child_setup(lim: Limits, parent: int) -> Callable[[], None]:
-    """Runs in the child between fork and exec, after Popen's setsid and uid/gid change (a
-    credential change clears the parent-death signal, so it is set after). Python warns that
+def _child_setup(lim: Limits, parent: int, cgroups: List[bytes], run_as: Optional[int]) -> Callable[[], None]:
+    """Runs in the child between fork and exec, after Popen's setsid: into the sandbox's cgroups
+    while it may still write their files, then down to `run_as` (a credential change clears
+    the parent-death signal, so that is set after), then the rlimits. Python warns that
     preexec_fn and threads mix badly (a lock held by another thread at fork stays held): this
     one only calls what was bound before the fork (libc's prctl, os and resource builtins),
     importing and allocating nothing of its own."""
@@ -204,6 +226,11 @@ def _child_setup(lim: Limits, parent: int) -> Callable[[], None]:
                (resource.RLIMIT_FSIZE, lim.file_bytes, lim.file_bytes), (resource.RLIMIT_CORE, 0, 0)]
 
     def setup() -> None:
+        join_in_child(cgroups)
+        if run_as is not None:
+            os.setgroups([])
+            os.setgid(run_as)
+            os.setuid(run_as)
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the caller died before the line above: nobody would kill us
             os._exit(137)
@@ -313,6 +340,11 @@ def reap_leftovers(tag: str) -> List[int]:
             pass
         finally:
             os.close(fd)
+    if placement().parents:  # and their cgroups, once their processes are gone
+        end = time.monotonic() + 10.0
+        while killed and any(o.split(".", 1)[0] != me for _, o in _marked(tag)) and time.monotonic() < end:
+            time.sleep(0.01)
+        sweep(tag + "_")
     return killed
 
 

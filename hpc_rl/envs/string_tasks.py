@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from typing import Optional
+
 from .math_verifier import VerifierResult
 
 # Models wrap short answers in quotes, backticks or a closing period: "'elppa'." is elppa.
@@ -22,3 +24,10 @@ def verify_reverse(response: str, answer: str) -> VerifierResult:
     got = normalize_word(response)
     correct = bool(got) and got == normalize_word(answer)
     return VerifierResult(correct, 1.0 if correct else 0.0, got or None)
+
+
+def reverse_answer_problem(answer: str) -> Optional[str]:
+    """A load-time row check: a reference that trims to nothing no response can match."""
+    if not normalize_word(answer):
+        return "is empty once quotes, punctuation and spaces are trimmed: no response can match it"
+    return None

@@ -25,6 +25,9 @@ class TrainingBackend(Protocol):
     model: torch.nn.Module  # for checkpoints (distributed state dicts) and the HF export
     optimizer: Optional[torch.optim.Optimizer]
     step_count: int  # optimizer steps taken (the learning-rate schedule's position)
+    # models/nonfinite.NonFiniteGuard of a training backend (None: inference only): skipped
+    # non-finite steps, which step_count leaves out; checkpoints carry its counts
+    nonfinite: Any
 
     @property
     def dp_rank(self) -> int: ...
@@ -39,7 +42,8 @@ class TrainingBackend(Protocol):
                    micro_batch_size: int) -> Dict[str, float]:
         """One optimizer step over this rank's rows, in micro-batches of `micro_batch_size`
         rows whose gradients accumulate; `loss_fn(logprobs, rows)` is the micro-batch's
-        loss already scaled to its share of the step."""
+        loss already scaled to its share of the step. A non-finite loss or gradient on any
+        rank skips the step on all of them (models/nonfinite.py; metric `nonfinite_skipped`)."""
 
     def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
                pad_id: int) -> torch.Tensor:

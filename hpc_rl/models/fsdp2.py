@@ -8,6 +8,7 @@ i given tokens < i, and position 0 holds 0 (nothing predicts the first token).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from hpc_rl.precision import torch_dtype
 
 from .backend import BackendSpec, LossFn, Shards
+from .nonfinite import NonFiniteGuard
 # the launcher checks checkpoints before any rank starts, without importing torch
 # (models/checkpoint_check.py); the names stay importable from here
 from .checkpoint_check import ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, CheckpointError, check_checkpoint  # noqa: F401
@@ -41,6 +43,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     warmup_start_lr: float = 0.0
+    max_nonfinite_steps: int = 3  # non-finite steps skipped in a row before the run fails (models/nonfinite.py)
 
 
 def lr_at(step: int, o: OptimConfig) -> float:
@@ -75,7 +78,8 @@ class FSDP2Backend:
         if spec.train is not None:
             o, s = spec.train.optimizer, spec.train.scheduler
             optim = OptimConfig(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                grad_clip=o.grad_clip, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr)
+                                grad_clip=o.grad_clip, warmup_steps=s.warmup_steps, warmup_start_lr=s.warmup_start_lr,
+                                max_nonfinite_steps=spec.train.max_nonfinite_steps)
         return cls(spec.checkpoint, group=spec.group, precision=spec.precision, optim=optim,
                    train=spec.train is not None, device=spec.device, parallel=spec.parallel,
                    sequence_parallel=spec.sequence_parallel)
@@ -131,8 +135,10 @@ class FSDP2Backend:
         self.optim_cfg = optim or OptimConfig()
         self.step_count = 0
         self.optimizer = None
+        self.nonfinite = None  # NonFiniteGuard of a training backend
         if train:
             o = self.optim_cfg
+            self.nonfinite = NonFiniteGuard(o.max_nonfinite_steps, group if self.sharded else None, self.device)
             if o.name not in OPTIMIZERS:
                 raise ValueError(f"trainer.optimizer.name={o.name!r}: this backend has {sorted(OPTIMIZERS)}")
             params = expert_param_groups(model, self.expert_params) if self.ep else model.parameters()
@@ -209,12 +215,16 @@ class FSDP2Backend:
             grad_norm = clip_grad_norm(self.model.parameters(), self.optim_cfg.grad_clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
         # DTensor norms come back as DTensors on sharded models
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        return {**metrics, "loss": total, "lr": lr, "grad_norm": float(norm), "micro_batches": -(-n // mbs)}
+        norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # the norm covers every gradient of the group; the loss is this rank's rows: all ranks agree
+        finite = self.nonfinite.agree(math.isfinite(total) and math.isfinite(norm))
+        if finite:
+            self.optimizer.step()
+            self.step_count += 1  # the schedule's position: applied updates only (models/nonfinite.py)
+        self.optimizer.zero_grad(set_to_none=True)
+        skip = self.nonfinite.record(finite, f"loss {total:.4g}, grad norm {norm:.4g}")
+        return {**metrics, "loss": total, "lr": lr, "grad_norm": norm, "micro_batches": -(-n // mbs), **skip}
 
     @torch.no_grad()
     def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,

@@ -122,8 +122,8 @@ class PhaseClock:
 
     def _write(self, path: Path, line: Optional[str], whole: Optional[dict]) -> None:
         try:
-            if whole is not None:  # readers never see half of it
-                write_atomic(path, json.dumps(whole, sort_keys=True) + "\n")
+            if whole is not None:  # readers never see half of it; no fsync: stale once the rank is gone
+                write_atomic(path, json.dumps(whole, sort_keys=True) + "\n", durable=False)
             else:
                 with path.open("a") as f:  # closed at once: other nodes see it (NFS close-to-open)
                     f.write(line)

@@ -17,6 +17,7 @@ import shlex
 from pathlib import Path
 from typing import Dict, List
 
+from hpc_rl.rundir import DEFAULT_DIR_MODE, umask_for
 from hpc_rl.runtime import env
 
 from .compose import StageCheck, check_all, compose_stage, export_path, resolved_overrides
@@ -49,6 +50,7 @@ def submit_script(spec: PipelineSpec, pdir: Path) -> str:
         f"# Rendered by `python -m hpc_rl.pipeline render {spec.name}`; `python -m hpc_rl.launch +pipeline={spec.name}",
         "# launcher=slurm` does the same and records pipeline.json for `python -m hpc_rl.pipeline status DIR`.",
         "set -euo pipefail",
+        f"umask {umask_for(DEFAULT_DIR_MODE):04o}  # the stages' run directories; each stage's script sets its run.dir_mode",
         'here=$(cd "$(dirname "$0")" && pwd)',
         f"PIPELINE_DIR={q(str(pdir))}",
         "submit() {  # submit <stage> [job ids it waits for...]: prints the job id",

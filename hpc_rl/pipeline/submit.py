@@ -69,15 +69,16 @@ def submit_stage(check: StageCheck, pdir: Path, after_ids: List[str]) -> str:
     """One stage as one het job; returns its job id."""
     from hpc_rl.launchers.slurm import submit
     from hpc_rl.rl.inputs import write_generated
-    from hpc_rl.rundir import RunDir
+    from hpc_rl.rundir import RunDir, private_umask
 
     cfg, overrides = submit_config(check, pdir)
     cfg.launcher.slurm.dependency = f"afterok:{':'.join(after_ids)}" if after_ids else None
     assert check.plan is not None
-    run_dir = RunDir.create(cfg, check.plan)
-    if cfg.run.program == "rl":
-        write_generated(cfg, run_dir.path)
-    job = submit(cfg, check.plan, run_dir.path, overrides)
+    with private_umask(RunDir.mode(cfg)):  # as launch.py: what ranks execute is run.dir_mode at most
+        run_dir = RunDir.create(cfg, check.plan)
+        if cfg.run.program == "rl":
+            write_generated(cfg, run_dir.path)
+        job = submit(cfg, check.plan, run_dir.path, overrides)
     return str(job.job_id)
 
 

@@ -5,6 +5,7 @@ Generators get the resumed weights by a refit, ordered by the loop."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -58,14 +59,25 @@ class Checkpointer:
     def resume(self, it: PromptIterator) -> int:
         """The last completed step: 0, or the newest complete checkpoint's step (every
         trainer rank loads it)."""
-        from hpc_rl.ckpt import find_resumable, load_checkpoint, model_fingerprint, restore_rng_state
+        from hpc_rl.ckpt import MixedRunsError, find_resumable, fresh_start_conflict, fresh_start_fix, load_checkpoint, \
+            model_fingerprint, restore_rng_state
 
         run_dir = self.ctx.run_dir
-        if not self.cfg.checkpoint.resume:
+        # checkpoint.resume=false starts fresh on the first attempt only: the launch refused
+        # checkpoints already there (rl/inputs.py), so a requeue's are this run's own, and
+        # starting it at step 0 again would leave them newer than its saves (retention then
+        # deletes the saves)
+        if not self.cfg.checkpoint.resume and self.ctx.ident.restart == 0:
+            conflict = None
             if self.is_driver:
-                MetricsLog(run_dir).truncate_after(0)
-                RolloutStore(run_dir).truncate_after(0)
-                self.log.warning("checkpoint.resume=false: starting fresh; checkpoints under %s are ignored", self.root)
+                conflict = fresh_start_conflict(self.root)  # another launch wrote there since ours was checked
+                conflict = f"checkpoint.resume=false: {conflict}; {fresh_start_fix(self.root)}" if conflict else None
+            conflict = exchange.share(conflict, self.trainer.routes.driver, self.ctx.groups.role)
+            if conflict:
+                raise MixedRunsError(conflict)
+            if self.is_driver:
+                self._truncate_records(0)
+                self.log.info("checkpoint.resume=false: starting fresh; checkpoints go to %s", self.root)
             return 0
         found = None
         if self.is_driver:
@@ -75,6 +87,8 @@ class Checkpointer:
             found = (str(scan.path), scan.step) if scan else None
         found = exchange.share(found, self.trainer.routes.driver, self.ctx.groups.role)
         if found is None:
+            if self.is_driver:  # a requeue that never saved starts over: its records too
+                self._truncate_records(0)
             return 0
         path, step = found
         extra = load_checkpoint(path, self.trainer.backend, group=self.ctx.groups.role)
@@ -82,12 +96,20 @@ class Checkpointer:
         restore_rng_state(extra["rng"])
         self.resumed_extra = extra
         if self.is_driver:
-            recomputed = MetricsLog(run_dir).truncate_after(step)
-            RolloutStore(run_dir).truncate_after(step)
+            recomputed = self._truncate_records(step)
             self.log.info("restart %d resumed from %s (step %d); %d completed steps after it will be recomputed",
                           self.ctx.ident.restart, path, step, recomputed)
             with RunDir(run_dir).restarts.open("a") as f:
                 f.write(json.dumps({"restart": self.ctx.ident.restart, "resumed_from_step": step, "checkpoint": path,
                                     "steps_recomputed": recomputed, "time": time.time()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # the resume history outlives a node crash
         self.last_saved = step
         return step
+
+    def _truncate_records(self, step: int) -> int:
+        """metrics.jsonl and rollouts.h5 after `step` go (recomputed); torn or damaged parts are
+        dropped and named in the log (rl/records.py). Returns the training steps dropped."""
+        dropped = MetricsLog(self.ctx.run_dir).truncate_after(step)
+        RolloutStore(self.ctx.run_dir).truncate_after(step)
+        return dropped

@@ -5,7 +5,9 @@
   the tiny models built on this machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
 - the prompts: data.path (JSONL), or data.tasks generated into <run_dir>/data/train.jsonl.
-  A malformed row names its file and line (or is skipped and counted: data.skip_invalid).
+  A malformed row names its file and line (or is skipped and counted: data.skip_invalid); a
+  row whose task has no verifier, or whose answer its verifier cannot read, is refused
+  (envs/rows.py), whatever data.skip_invalid says: it is the data's contract, not one bad line.
 - routing: every agent of the dataset must reach a teacher; under routing.strict an
   unmapped agent is an error naming it and the known aliases.
 
@@ -269,6 +271,11 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
     if dataset is not None and len(dataset) == 0:
         out.append(Violation("data.path", cfg.data.path, "no usable row", "give at least one valid row"))
         dataset = None
+    if dataset is not None:  # each row's task has a verifier that can read its answer (envs/rows.py)
+        from hpc_rl.envs.rows import row_problems
+
+        for problem, fix in row_problems(dataset, dataset.path):
+            out.append(Violation("data.path" if cfg.data.path else "data.tasks", cfg.data.path or cfg.data.tasks, problem, fix))
 
     if dataset is not None and cfg.algo.name == "mopd" and cfg.teachers:
         from hpc_rl.algo.routing import RoutingError, TeacherRouter
@@ -311,22 +318,29 @@ def _check_experts(out: List[Violation], cfg: RunConfig) -> None:
 
 
 def _check_resumable(out: List[Violation], cfg: RunConfig) -> None:
-    """A run directory (or checkpoint.dir) whose checkpoints belong to another recipe or
-    model shape is refused here, before submission, not by a rank after the job starts."""
-    if not cfg.checkpoint.resume or not (cfg.checkpoint.dir or cfg.run.dir):
+    """Checkpoints already in the run's checkpoint directory are refused here, before
+    submission, not by a rank after the job starts: with checkpoint.resume=false (the runs
+    would mix), or when written for another recipe or model shape. Refused rather than
+    redirected to a fresh directory: they are only met where the user named run.dir or
+    checkpoint.dir, and ranks, requeues and job handles all use the directory named."""
+    if not (cfg.checkpoint.dir or cfg.run.dir):
         return
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
     if not root.is_dir():  # a fresh run: nothing to check, and no torch import for hpc_rl.ckpt
         return
-    from hpc_rl.ckpt import IncompatibleCheckpointError, find_resumable, list_checkpoints
+    from hpc_rl.ckpt import IncompatibleCheckpointError, find_resumable, fresh_start_conflict, fresh_start_fix, list_checkpoints
 
     if not list_checkpoints(root):
+        return
+    if not cfg.checkpoint.resume:
+        out.append(Violation("checkpoint.resume", False, fresh_start_conflict(root), fresh_start_fix(root)))
         return
     try:
         find_resumable(root, model_shape(cfg.model.path), cfg.recipe)
     except IncompatibleCheckpointError as e:
         out.append(Violation("checkpoint.resume", True, str(e),
-                             "checkpoint.resume=false starts fresh (ignoring those checkpoints), or use another run.dir / checkpoint.dir"))
+                             "use another run.dir / checkpoint.dir, or delete those checkpoints "
+                             "(checkpoint.resume=false over them is refused: the runs would mix)"))
 
 
 def model_shape(path: str) -> Dict[str, list]:

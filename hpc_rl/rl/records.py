@@ -8,22 +8,28 @@ summary.json    the end: reverse KL per teacher and accuracy per task, start vs 
                 final barrier, the job's rejected unauthenticated values (runtime/auth_stats.py)
 
 A resumed run truncates metrics and rollouts after the step it resumed from, so each step
-appears once whatever the number of restarts.
+appears once whatever the number of restarts. Neither blocks a resume when a crash damaged
+it: a line of metrics.jsonl that is not a whole record (the torn last line of a killed
+writer) is dropped, and a rollouts.h5 that h5py cannot edit is moved aside, its readable
+steps copied into a new one; the log names the file and what was dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from hpc_rl.observe.timing import slowest_ranks
 from hpc_rl.rundir import RunDir, write_atomic
+
+log = logging.getLogger(__name__)
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -52,17 +58,38 @@ class MetricsLog:
             os.fsync(f.fileno())
 
     def read(self) -> List[dict]:
+        """Every whole record; a line that is not one is left out and named in the log."""
+        return self._read()[0]
+
+    def _read(self) -> Tuple[List[dict], int]:
         if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            return [], 0
+        rows: List[dict] = []
+        torn = 0
+        # errors="replace": a torn multi-byte tail fails as JSON below, naming the file, not as UTF-8
+        for n, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                torn += 1
+                log.warning("%s: line %d is not a whole JSON record (torn when its writer was killed?); dropped: %r",
+                            self.path, n, line[:200])
+        return rows, torn
 
     def truncate_after(self, step: int) -> int:
-        """Drop records of steps > step (recomputed after a resume); returns how many training
-        steps were dropped."""
-        rows = self.read()
+        """Drop records of steps > step (recomputed after a resume) and lines that are not whole
+        records; returns how many training steps were dropped."""
+        rows, torn = self._read()
         keep = [r for r in rows if r.get("step", 0) <= step and not (r.get("kind") == "eval" and r.get("tag") == "end")]
         dropped_steps = sum(1 for r in rows if r.get("kind") == "step" and r.get("step", 0) > step)
-        if len(keep) != len(rows):
+        # rewritten when a line was torn too: the next append would otherwise extend the torn line
+        if torn or len(keep) != len(rows):
             write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
         return dropped_steps
 
@@ -93,16 +120,57 @@ class RolloutStore:
             for k, v in (attrs or {}).items():
                 g.attrs[k] = v
 
+    @staticmethod
+    def _step_of(name: str) -> Optional[int]:
+        return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
     def truncate_after(self, step: int) -> int:
+        """Drop the groups of steps > step; returns how many. A file h5py cannot open or edit
+        is salvaged instead (`_salvage`): the records are no reason to block a resume."""
         import h5py
 
         if not self.path.exists():
             return 0
-        with h5py.File(self.path, "a") as f:
-            doomed = [n for n in f if n.startswith("step_") and int(n[5:]) > step]
-            for n in doomed:
-                del f[n]
-        return len(doomed)
+        try:
+            with h5py.File(self.path, "a") as f:
+                doomed = [n for n in f if (self._step_of(n) or 0) > step]
+                for n in doomed:
+                    del f[n]
+            return len(doomed)
+        except Exception as exc:  # h5py reports damage as OSError, KeyError, RuntimeError, ... by HDF5's layer
+            self._salvage(step, exc)
+            return 0
+
+    def _salvage(self, step: int, exc: Exception) -> None:
+        """Move the damaged file aside and copy the step groups up to `step` that still read
+        into a new rollouts.h5; the log names both files, what was kept and what was lost."""
+        import h5py
+
+        aside = self.path.with_name(f"{self.path.name}.damaged.{int(time.time())}")
+        try:
+            os.replace(self.path, aside)
+        except OSError as err:
+            raise RuntimeError(f"{self.path} is damaged ({type(exc).__name__}: {exc}) and cannot be moved aside "
+                               f"({err}): move or delete it, then resume") from exc
+        kept: List[str] = []
+        lost: List[str] = []
+        try:
+            with h5py.File(aside, "r") as src, h5py.File(self.path, "w") as dst:
+                for n in sorted(src):
+                    if (self._step_of(n) or 0) > step:
+                        continue
+                    try:
+                        src.copy(src[n], dst, name=n)
+                        kept.append(n)
+                    except Exception:  # this group is damaged; the others may not be
+                        lost.append(n)
+                        if n in dst:
+                            del dst[n]
+        except Exception as err:  # not even readable: the run's rollouts start again at the next step
+            lost.append(f"{'the rest' if kept else 'every step'}, unreadable ({type(err).__name__}: {err})")
+        log.warning("%s is damaged (%s: %s): moved aside to %s; kept %d step groups up to step %d in a new %s; dropped %s",
+                    self.path, type(exc).__name__, exc, aside.name, len(kept), step, self.path.name,
+                    ", ".join(lost) or "nothing else")
 
 
 class Progress:

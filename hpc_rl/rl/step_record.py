@@ -110,6 +110,9 @@ def brief(rec: Dict[str, Any]) -> str:
     if "policy_change_mult_prob_error" in rec:  # older weights vs the trainer's: includes the policy's change
         parts.append(f"policy change {rec['policy_change_mult_prob_error']:.4f}")
     parts.append(f"loss {rec.get('loss', float('nan')):.4f}")
+    if rec.get("nonfinite_skipped"):  # models/nonfinite.py: the weights did not move
+        parts.append(f"NON-FINITE loss or gradients: {rec['nonfinite_skipped']} of {rec['optimizer_steps']} optimizer "
+                     f"steps skipped ({rec['nonfinite_skipped_total']} in the run)")
     t = rec["timing"]
     if "async" in rec:  # the pipeline: what was ahead, what was dropped, who waited
         a = rec["async"]

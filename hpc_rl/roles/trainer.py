@@ -166,6 +166,9 @@ class TrainerRole:
 
             metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn,
                                                    micro_batch_size=tr.micro_batch_size))
+        # the ranks agree on every skip (models/nonfinite.py): counted, not averaged
+        skipped = sum(int(m.pop("nonfinite_skipped")) for m in metrics)
+        skipped_total = [int(m.pop("nonfinite_skipped_total")) for m in metrics][-1]
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
         ranks = dist.get_world_size(self.ctx.groups.role)
         if ranks > 1:  # average the ranks' minibatch metrics (tensor parallel ranks repeat their dp rank's)
@@ -176,4 +179,5 @@ class TrainerRole:
         out["advantage_mean"] = float(masked_mean(adv, mask))
         out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
         out["optimizer_steps"] = len(metrics)
+        out["nonfinite_skipped"], out["nonfinite_skipped_total"] = skipped, skipped_total
         return out

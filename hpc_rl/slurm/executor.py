@@ -25,7 +25,7 @@ from submitit.core import utils as submitit_utils
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
-from hpc_rl.rundir import RunDir
+from hpc_rl.rundir import RunDir, write_atomic
 from hpc_rl.runtime import env
 from hpc_rl.runtime.identity import role_offsets
 from hpc_rl.runtime.signed_store import new_job_key
@@ -338,9 +338,10 @@ class HetSlurmExecutor(submitit_core.PicklingExecutor):
         identity = JobIdentity(job.job_id, job_name(self.cfg), submit_time(job.job_id), submitted_after)
         job.attach(self.plan, self.run_dir, identity)
         # keep the script beside the run for users and requeues
+        # job.json is how watch, pipelines and a reattached handle find this job: whole, durable
         if self.last_script is not None:
-            RunDir(self.run_dir).job_script.write_text(self.last_script)
-        RunDir(self.run_dir).job_meta.write_text(json.dumps({
+            write_atomic(RunDir(self.run_dir).job_script, self.last_script)
+        write_atomic(RunDir(self.run_dir).job_meta, json.dumps({
             "job_id": job.job_id,
             "components": {role: f"{job.job_id}+{k}" for k, role in enumerate(job.roles)},
             "submitit_folder": str(self.folder),

@@ -23,7 +23,7 @@ from typing import List, Optional
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.ft import culprit
 from hpc_rl.plan.job_plan import JobPlan, RolePlan
-from hpc_rl.rundir import RunDir, shell_role_file_name
+from hpc_rl.rundir import RunDir, shell_role_file_name, umask_for
 from hpc_rl.runtime import env
 from hpc_rl.runtime.identity import PORT_BASE
 
@@ -194,8 +194,12 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         run_dir_line = f'RUN_DIR="${{{env.RUN_DIR}:-$SLURM_SUBMIT_DIR/runs/{plan.recipe}-$SLURM_JOB_ID}}"'
         bootstrap = _bootstrap(cfg, plan, options, python)
     entry = "hpc_rl.slurm.rank_entry"
+    mode = RunDir.mode(cfg)
     body = [
         "set -uo pipefail",
+        "# Ranks unpickle and torch.load what the run directory holds: what this job makes there is",
+        "# run.dir_mode at most. srun hands SLURM_UMASK (sbatch set it to the submitter's) to every task.",
+        f"umask {umask_for(mode):04o}; export SLURM_UMASK={umask_for(mode):04o}",
         run_dir_line,
         f'export {env.RESTART}="${{SLURM_RESTART_COUNT:-0}}"',
         "# The job's secret (hpc_rl/runtime/signed_store.py): launcher=slurm passes it in sbatch's environment;",
@@ -207,7 +211,7 @@ def _body(cfg: RunConfig, plan: JobPlan, options: RenderOptions, python: str) ->
         'if [ -f "$FINISHED_FILE" ]; then  # a finished run is never run (or requeued) again',
         '    echo "hpc_rl: $RUN_DIR already finished; nothing to do"; exit 0',
         "fi",
-        'mkdir -p "$LOG_DIR"',
+        f'mkdir -p "$LOG_DIR" && chmod {mode:04o} "$RUN_DIR" "$LOG_DIR"  # an existing directory is tightened too',
         f'export {env.RUN_DIR}="$RUN_DIR"',
         f'export {env.JOB_ID}="$SLURM_JOB_ID"',
         f"export {env.PICKLED}={1 if options.pickled else 0}",

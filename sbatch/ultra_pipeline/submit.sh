@@ -4,6 +4,7 @@
 # Rendered by `python -m hpc_rl.pipeline render ultra`; `python -m hpc_rl.launch +pipeline=ultra
 # launcher=slurm` does the same and records pipeline.json for `python -m hpc_rl.pipeline status DIR`.
 set -euo pipefail
+umask 0077  # the stages' run directories; each stage's script sets its run.dir_mode
 here=$(cd "$(dirname "$0")" && pwd)
 PIPELINE_DIR=/lustre/ultra_pipeline
 submit() {  # submit <stage> [job ids it waits for...]: prints the job id

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the Megatron backend (issues #16, #25) on one GPU: a tiny Llama built here, the
-# backend's bf16 log-probs against the Hugging Face model's, one train step, then a refit
+# backend's bf16 log-probs against the Hugging Face model's, one train step, one NaN-loss step that
+# must be skipped with the weights unchanged (issue 43; NOT RUN on a GPU yet), then a refit
 # into a vLLM engine on the same GPU with token_mult_prob_error <= 1.01 (bf16).
 # Needs the `gpu` extra (megatron-core, vLLM CUDA; Transformer Engine optional: without it
 # megatron-core's local layer specs are used). Fits in about 5 minutes on one H200.

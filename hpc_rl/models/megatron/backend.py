@@ -19,6 +19,7 @@ Not run in this version's CI (no GPU): tests/gpu/megatron_check.sh is the prepar
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -27,8 +28,10 @@ import torch.distributed as dist
 
 from hpc_rl.runtime import sealed
 from hpc_rl.models.backend import BackendSpec, LossFn, Shards, parallel_sizes
+from hpc_rl.models.nonfinite import NonFiniteGuard, tensors_finite
 
 from . import config_map, nemotron_h_mapping
+from .greedy import greedy_rows
 from .hf_mapping import Style, hf_to_megatron, padded_vocab
 from .nemotron_h_mapping import NemotronHDims, dims_of
 from .nemotron_h_refit import pieces
@@ -107,9 +110,11 @@ class MegatronBackend:
         self.hf_config = hf_cfg
         self.step_count = 0
         self.optimizer = None
+        self.nonfinite = None  # NonFiniteGuard of a training backend
         self.model = core
         if train is not None:
             self._wrap_for_training(core)
+            self.nonfinite = NonFiniteGuard(train.max_nonfinite_steps, self.pgs_world(), self.device)
         else:
             core.eval()
             core.requires_grad_(False)
@@ -270,75 +275,45 @@ class MegatronBackend:
         n = input_ids.shape[0]
         mbs = n if not micro_batch_size or micro_batch_size >= n else micro_batch_size
         got = self._run(list(self._chunks(input_ids, mbs)), forward_only=False, loss_fn=loss_fn)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("megatron optimizer step skipped (inf/nan gradients)")
-        self.step_count += 1
+        loss = sum(g["loss"] for g in got)  # every stage has it (_run broadcasts the last stage's)
+        # The gradients are judged here, before optimizer.step(), which clips and applies in one
+        # call. Under fp16 the optimizer's loss scaler judges its scaled gradients itself: an
+        # overflow lowers the scale and megatron skips that update, which is how the scale
+        # settles, not a fault (not counted); a non-finite loss still is.
+        ok = torch.tensor(True) if self.precision == "fp16" else tensors_finite(self._main_grads())
+        finite = self.nonfinite.agree(ok & math.isfinite(loss))
+        grad_norm = float("nan")
+        if finite:
+            stepped, grad_norm, _ = self.optimizer.step()
+            if stepped:
+                self.step_count += 1  # the schedule's position: applied updates only (models/nonfinite.py)
+            grad_norm = float(grad_norm or 0.0)
+        else:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        skip = self.nonfinite.record(finite, f"loss {loss:.4g}")
         metrics: Dict[str, float] = {}
         for g in got:
             for k, v in g.items():
                 if k not in ("loss", "rows"):
                     metrics[k] = metrics.get(k, 0.0) + v * g["rows"] / n
-        return {**metrics, "loss": sum(g["loss"] for g in got), "lr": lr, "grad_norm": float(grad_norm or 0.0),
-                "micro_batches": len(got)}
+        return {**metrics, "loss": loss, "lr": lr, "grad_norm": grad_norm, "micro_batches": len(got), **skip}
+
+    def _main_grads(self):
+        """This rank's gradients as megatron's DDP holds them (param.main_grad, views of its
+        grad buffers, reduced over data parallel by the schedule's finalize step)."""
+        for p in self.core.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None:
+                yield g
 
     @torch.no_grad()
     def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
                pad_id: int) -> torch.Tensor:
-        """Row by row (left padding stripped, so no padding mask is needed), one full forward
-        per new token: a teacher's accuracy check, not a serving path."""
-        outs = []
-        for row, mask in zip(input_ids, attention_mask):
-            seq = row[mask.bool()].tolist()
-            new = []
-            for _ in range(max_new_tokens):
-                lp_all = self._next_token(torch.tensor([seq + new]))
-                new.append(lp_all)
-                if lp_all == eos_id:
-                    break
-            outs.append(new + [pad_id] * (max_new_tokens - len(new)))
-        return torch.tensor(outs, dtype=torch.long)
-
-    def _next_token(self, ids: torch.Tensor) -> int:
-        """Greedy next token: vocabulary-parallel argmax on the last stage's last position."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        self.model.eval()
-        b = self._batch(ids)
-        last_pos = ids.shape[1] - 1
-        where = (b["pos"][0] == last_pos).nonzero()
-
-        def step(data, model):
-            bb = next(data)
-            out = model(bb["ids"], bb["pos"], None)
-
-            def head(output):
-                if not self.last:
-                    return output, {}
-                best = torch.tensor([-float("inf"), -1.0], device=output.device)
-                if len(where):
-                    row = output[0, where[0, 0]].float()
-                    real = self.dims.vocab - self.c.tp * output.shape[-1]  # rows past it are padding
-                    row[max(real, 0):] = float("-inf")
-                    v, i = row.max(-1)
-                    best = torch.stack([v, (i + self.c.tp * output.shape[-1]).float()])
-                cands = [torch.empty_like(best) for _ in range(self.p.tp * self.p.cp)]
-                dist.all_gather(cands, best, group=self.pgs.tp_cp)
-                top = max(cands, key=lambda c: float(c[0]))
-                return output.new_zeros(()), {"tok": int(top[1])}
-
-            return out, head
-
-        got = get_forward_backward_func(pp_size=self.p.pp)(
-            forward_step_func=step, data_iterator=iter([b]), model=[self.model], num_microbatches=1,
-            seq_length=b["ids"].shape[1], micro_batch_size=1, forward_only=True, pg_collection=self.pgs,
-            p2p_communicator=P2PCommunicator(self.pgs.pp, self.tcfg))
-        box = [got[0]["tok"] if self.last else None]
-        if self.p.pp > 1:
-            last = self.ranks[next(g for g in mesh_groups(self.p)["pp"] if self.me in g)[-1]]
-            box[0], _ = sealed.broadcast(box[0], last, self.pgs.pp)
-        return box[0]
+        """A teacher's accuracy check, one full forward per new token (greedy.py)."""
+        return greedy_rows(self, input_ids, attention_mask, max_new_tokens, eos_id, pad_id)
 
     # -------------------------------------------------------------------- weights out
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:

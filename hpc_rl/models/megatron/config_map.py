@@ -131,8 +131,11 @@ def optimizer_kwargs(train: Any, precision: str) -> Dict[str, Any]:
 
 
 def ddp_kwargs() -> Dict[str, Any]:
+    # check_for_nan_in_grad off: it raises on the ranks whose own gradients hold a NaN, before the
+    # reduction, while the others wait in it; the backend's NonFiniteGuard (models/nonfinite.py)
+    # judges after the reduction on every rank and skips the step on all of them together
     return dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
-                check_for_nan_in_grad=True)
+                check_for_nan_in_grad=False)
 
 
 # ----------------------------------------------------------------- megatron objects (lazy)

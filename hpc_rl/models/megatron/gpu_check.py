@@ -3,7 +3,8 @@
 One process, one GPU: a tiny Llama checkpoint is built here; the Megatron backend loads it
 (bf16, Transformer Engine layer specs when TE is installed, else megatron-core's local
 specs); its log-probs are compared with the Hugging Face model's in bf16 on the same tokens;
-it takes one train step (the weights must move, the loss and grad norm must be finite);
+it takes one train step (the weights must move, the loss and grad norm must be finite), then
+one with a NaN loss (it must be skipped, the weights unchanged: models/nonfinite.py);
 then its weights go into a vLLM engine on the same GPU through the refit planner, and the
 engine's sampled tokens' log-probs are compared with the backend's:
 
@@ -115,6 +116,15 @@ def run(out: dict, tmp: Path, model: str = "llama") -> None:
     out["train_step"] = {**step, "tensors_changed": moved, "tensors": len(before)}
     if not (moved and torch.isfinite(torch.tensor(step["loss"])) and step["grad_norm"] > 0):
         raise RuntimeError(f"the train step did not move the weights or was not finite: {out['train_step']}")
+
+    out["stage"] = "non-finite step"  # a NaN loss: skipped on every rank, weights untouched (models/nonfinite.py)
+    kept = {k: t.detach().float().cpu().clone() for k, (_, t) in backend.local_shards().items()}
+    nan = backend.train_step(b["input_ids"], b["attention_mask"], lambda lp, rows: (loss_fn(lp, rows)[0] * float("nan"), {}),
+                             micro_batch_size=4)
+    same = all(torch.equal(kept[k], t.detach().float().cpu()) for k, (_, t) in backend.local_shards().items())
+    out["nonfinite_step"] = {"skipped": nan["nonfinite_skipped"], "weights_unchanged": same}
+    if not (nan["nonfinite_skipped"] == 1.0 and same):
+        raise RuntimeError(f"a NaN loss was not skipped cleanly: {out['nonfinite_step']}")
 
     out["stage"] = "refit into vLLM"
     from hpc_rl.refit.vllm_engine import VLLMGenerator, refit_in_process
