@@ -49,19 +49,21 @@ write_wrapper() {
 # TEST-ONLY (written by tests/gym_python.sh): the sid root's $py with nemo-gym, via bubblewrap.
 # Extra bind mounts: GYM_PY_BIND="src1:dst1 src2:dst2" (unprivileged: each dst must exist in the root).
 set -euo pipefail
-# Inside hpc_rl's jail (HPC_RL_JAILED, hpc_rl/envs/jail.py) the jail's own /proc is bound (a
-# nested user namespace may not mount a new one) and the repository is whatever part of it
-# the jail shows (--bind-try: none of it, or the search directories it binds read-only).
+# Inside hpc_rl's jail (HPC_RL_JAILED, hpc_rl/envs/jail.py) the jail's own pid namespace and
+# /proc serve (a nested user namespace may not mount a new proc, and a pid namespace of its
+# own under the jail's /proc would show other pids than os.getpid(): Ray's psutil fails on
+# that), and the repository is whatever part of it the jail shows (--bind-try: none of it,
+# or the search directories it binds read-only).
 extra=()
 for b in \${GYM_PY_BIND:-}; do extra+=(--bind "\${b%%:*}" "\${b#*:}"); done
 ca=()
 [ -r /etc/ssl/certs/ca-certificates.crt ] && ca=(--ro-bind /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt)
-proc=(--proc /proc)
+proc=(--proc /proc --unshare-pid)
 [ -n "\${HPC_RL_JAILED:-}" ] && proc=(--bind /proc /proc)
 exec bwrap --bind "$root" / "\${proc[@]}" --dev /dev --bind /tmp /tmp \\
     --ro-bind-try /etc/resolv.conf /etc/resolv.conf "\${ca[@]}" \\
     --bind-try "$repo" "$repo" "\${extra[@]}" --chdir "\$PWD" \\
-    --unshare-pid --die-with-parent \\
+    --die-with-parent \\
     --unsetenv PYTHONPATH --unsetenv PYTHONHOME --unsetenv VIRTUAL_ENV \\
     --unsetenv PIP_FIND_LINKS --unsetenv PIP_CONSTRAINT --unsetenv PIP_EXTRA_INDEX_URL \\
     --setenv PATH /opt/gym/bin:/usr/local/bin:/usr/bin:/bin \\

@@ -190,7 +190,7 @@ def _drill_overrides(ckpt, inflight: int):
             "data.samples_per_task=64", "data.eval_prompts_per_task=0", "checkpoint.every_steps=1",
             "checkpoint.keep_last=2", "checkpoint.export_final=false", "ft.heartbeat_timeout_s=10",
             "env.agentic.environment=agentic_envs:nan_rewards_calculator_down_after_16",
-            "env.agentic.episode_timeout_s=20", "env.agentic.turn_timeout_s=20", "env.agentic.max_error_share=0.6",
+            "env.agentic.episode_timeout_s=20", "env.agentic.turn_timeout_s=20", "env.agentic.max_error_share=0.7",
             f"env.agentic.max_inflight_episodes={inflight}", "ft.inject_failure=env:0:kill@2"]
 
 
@@ -214,7 +214,7 @@ def test_a_killed_env_rank_is_requeued_and_resumed_and_a_failing_environment_end
     raise, some hang (a 20 s deadline, which the healthy episodes of a loaded machine stay well
     inside), some return NaN. The env rank is SIGKILLed as step 2 reaches it: the job is
     requeued and resumes from step 1's checkpoint. In the resumed job every reward is NaN
-    after step 2's 16 episodes: step 3 fails entirely, over env.agentic.max_error_share=0.6,
+    after step 2's 16 episodes: step 3 fails entirely, over env.agentic.max_error_share=0.7,
     and the run ends there, untrained and not requeued, naming the NaN rewards; the
     checkpoints left hold finite weights and no optimizer step saw a non-finite loss. Every
     step trained holds exactly the items an uninterrupted run draws, none twice."""
@@ -246,7 +246,7 @@ def test_a_killed_env_rank_is_requeued_and_resumed_and_a_failing_environment_end
     detail = res.job_exit["detail"]
     for part in ("not requeued", "EpisodeFaultsError", "step 3: 16 of 16 episodes (100%)",
                  "'agentic_envs:nan_rewards_calculator_down_after_16'", "NonFiniteReward 16",
-                 "env.agentic.max_error_share=0.6"):
+                 "env.agentic.max_error_share=0.7"):
         assert part in detail, (part, detail)
 
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -266,7 +266,7 @@ def test_a_killed_env_rank_is_requeued_and_resumed_and_a_failing_environment_end
         kinds = {k: n for k, n in (("ValueError", raised), ("NonFiniteReward", nanned)) if n}
         assert a["episodes"] == 16 and a["errors_by_kind"] == kinds, (k, a)
         assert a["timeouts_by_kind"].get("episode_timeout", 0) == hung and a["failed"] == raised + hung + nanned, (k, a)
-        assert a["failed_share"] == (raised + hung + nanned) / 16 and a["max_error_share"] == 0.6
+        assert a["failed_share"] == (raised + hung + nanned) / 16 and a["max_error_share"] == 0.7
         assert not s.get("nonfinite_skipped"), (k, s)  # no NaN reached the trainer's loss
         # backpressure: the limit reached, the rest queued, the tool's time measured
         assert a["max_inflight_episodes"] == a["inflight_limit"] == inflight == a["max_inflight_env_rank"]
