@@ -208,7 +208,7 @@ def test_an_engine_spanning_two_tasks_runs_tiny_mopd_until_a_worker_dies_and_the
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
     assert max(steps) < 30
     errors = "".join(p.read_text() for p in (run / "errors").glob("*"))
-    named = f"vLLM engine 0: worker tp1 (pid {pid}, hosted by its task 1) exited with code -9"
+    named = f"vLLM engine 0: worker tp1 (pid {pid}, hosted by its task 1) was killed by SIGKILL (signal 9) from outside"
     assert named in errors, errors[-3000:]
     assert "hpc_rl: run failed in generator:" in err and "worker tp1" in err + out, (out[-2000:], err[-2000:])
 

@@ -70,6 +70,17 @@ def test_a_failing_rank_stops_everyone_fast_and_is_named(tmp_path):
     assert (run_dir / "errors" / "generator.0.0.txt").read_text().startswith("generator:0: RuntimeError: injected failure")
 
 
+def test_a_rank_killed_by_a_signal_is_named_by_it_end_to_end(tmp_path):
+    """Issue 44: the launcher's line and the run's verdict name the signal, not a bare 137; the
+    verdict is the rank supervisor's error report (runtime/death.py)."""
+    proc, _ = _launch(tmp_path, "ft.inject_failure=generator:0:kill")
+    assert proc.returncode == FAILED_ROLE_EXIT_BASE + 1, proc.stdout + proc.stderr
+    assert "[local] generator:0 was killed by SIGKILL (signal 9); stopping" in proc.stdout, proc.stdout
+    assert "run failed in generator:0 after" in proc.stderr
+    assert "generator:0: was killed by SIGKILL (signal 9) from outside" in proc.stderr, proc.stderr
+    assert not _orphans(tmp_path / "run")
+
+
 def test_ranks_that_never_arrive_are_named_by_the_rendezvous(tmp_path):
     """A rank that cannot reach its peers fails within the rendezvous timeout, naming who is missing."""
     proc, _ = _launch(tmp_path, "launcher=dry_run")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from hpc_rl.refit.vllm_engine import EngineSpan, bind_cpu_workers, engine_kwargs
+from hpc_rl.runtime.death import explain
 
 MASTER_KEY = "engine/{restart}/{engine}/master"  # host:port where engine g's workers meet
 DEAD_KEY = "engine/{restart}/{engine}/dead"  # a follower's report of its dead worker, for the leader
@@ -102,7 +103,7 @@ class EngineFollower:
         for i, w in enumerate(self.executor.workers):
             if not w.proc.is_alive():
                 return (f"vLLM engine {self.seat.engine}: worker tp{self.first_tp_rank + i} (pid {w.proc.pid}, hosted by "
-                        f"its task {self.seat.node}) exited with code {w.proc.exitcode}")
+                        f"its task {self.seat.node}) {explain(w.proc.exitcode, w.proc.pid)}")
         return None
 
     def serve_until(self, ended: Callable[[], bool], on_watch: Callable[[], None] = lambda: None,

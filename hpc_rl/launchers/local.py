@@ -26,6 +26,7 @@ from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.plan.report import describe
 from hpc_rl.rundir import RunDir
 from hpc_rl.runtime import env as env_names
+from hpc_rl.runtime.death import describe_status
 from hpc_rl.runtime.env import RankEnv
 from hpc_rl.runtime.signed_store import new_job_key
 
@@ -203,7 +204,7 @@ def launch_local(plan: JobPlan, run_dir: Path, grace_s: float = 10.0, echo=print
             failed = culprit(bad, run_dir, ranks) if bad else None
         if failed is not None:
             rc = failed.proc.poll()
-            how = f"exited {rc}" if rc is not None else "was found dead by the heartbeats (still running)"
+            how = describe_status(rc) if rc is not None else "was found dead by the heartbeats (still running)"
             echo(f"[local] {failed.role}:{failed.role_rank} {how}; stopping the other ranks")
             _stop(ranks, grace_s)
             detail = _error_line(run_dir, failed.role, failed.role_rank)

@@ -7,6 +7,11 @@ process tracking loses them, so the requeued job's engine can no longer start on
 in the same process group, forwards signals to it, and when it exits kills whatever is
 left in the group: the child's orphans included. It returns the child's exit status
 (128 + signal for a killed child, as a shell reports it).
+
+Only the supervisor sees the signal that ended the rank, so it is the one to say so: a child
+killed by a signal it did not forward (the OOM killer, an injected or a person's kill) leaves
+the rank's error report in its words (runtime/death.py), which the local launcher and the batch
+shell's job_exit.json quote; a signal it forwarded was a stop its sender already knows of.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from .death import OomWatch, explain
 from .env import SUPERVISED as MARK  # set to 1 in the child, so it runs the rank instead of supervising
 
 
@@ -86,15 +92,48 @@ def exit_now(rc: int) -> None:
     os._exit(rc)
 
 
-def supervise(module: str, args: List[str]) -> int:
+def _who() -> Optional[Tuple[str, object, int]]:
+    """(role, rank, restart) the launcher gave this rank, or None when its variables are unusable."""
+    from .env import RankEnv
+
+    try:
+        ident = RankEnv.from_env()
+    except ValueError:
+        return None
+    return ident.role or "unknown", "?" if ident.role_rank is None else ident.role_rank, ident.restart or 0
+
+
+def record_death(run_dir: str, text: str) -> None:
+    """The rank's error report (errors/<role>.<rank>.<restart>.txt, as results.py writes it),
+    unless the rank wrote its own before it died: its traceback then says more."""
+    from hpc_rl.rundir import RunDir
+
+    who = _who()
+    if who is None:
+        return
+    role, rank, restart = who
+    path = RunDir(Path(run_dir)).error_report(role, rank, restart)
+    if path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{role}:{rank}: {text}\n")
+    except OSError:
+        pass  # an unwritable run directory: the supervisor's stderr line still says it
+
+
+def supervise(module: str, args: List[str], run_dir: Optional[str] = None) -> int:
     # Clean up only a group of our own: lead one (srun tasks and local-launcher ranks already
     # do; a rank started from a shell or a test would otherwise share, and kill, its caller's).
     if os.getpgid(0) != os.getpid():
         os.setpgid(0, 0)
     env = dict(os.environ, **{MARK: "1"})
+    watch = OomWatch()  # before the child runs: a kill during it shows as a rise
+    forwarded = set()
     child = subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
     def forward(signum, _frame):
+        forwarded.add(signum)
         try:
             child.send_signal(signum)
         except ProcessLookupError:
@@ -108,6 +147,12 @@ def supervise(module: str, args: List[str]) -> int:
             rc = child.wait()
         except InterruptedError:
             continue
+    if rc < 0:  # Popen's word for a death by signal -rc
+        text = explain(rc, child.pid, watch)
+        who = _who()
+        print(f"hpc_rl: {f'{who[0]}:{who[1]}' if who else 'the rank'} {text}", file=sys.stderr, flush=True)
+        if run_dir and -rc not in forwarded:
+            record_death(run_dir, text)
     leftovers = group_members(os.getpgid(0))
     for pid in leftovers:
         try:

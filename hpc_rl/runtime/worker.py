@@ -220,4 +220,4 @@ if __name__ == "__main__":
     # the rank itself runs in a child; this process cleans up after it (supervise.py)
     if is_child():
         exit_now(main())
-    sys.exit(supervise("hpc_rl.runtime.worker", sys.argv[1:]))
+    sys.exit(supervise("hpc_rl.runtime.worker", sys.argv[1:], run_dir=(sys.argv[1:] or [None])[0]))

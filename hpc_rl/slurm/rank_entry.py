@@ -60,4 +60,4 @@ if __name__ == "__main__":
     # the rank itself runs in a child; this process cleans up after it (supervise.py)
     if is_child():
         exit_now(main())
-    sys.exit(supervise("hpc_rl.slurm.rank_entry", sys.argv[1:]))
+    sys.exit(supervise("hpc_rl.slurm.rank_entry", sys.argv[1:], run_dir=(sys.argv[1:] or [None])[0]))
