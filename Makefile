@@ -102,6 +102,7 @@ bench: setup cluster-up
 	$(PY) bench/placement.py
 	$(PY) bench/launch.py
 	$(PY) bench/logprob_agreement.py
+	$(PY) bench/logprob_pass.py
 	$(PY) bench/rl_results.py
 	$(PY) bench/faults.py
 	$(PY) bench/refit.py

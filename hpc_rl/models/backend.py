@@ -28,6 +28,10 @@ class TrainingBackend(Protocol):
     # models/nonfinite.NonFiniteGuard of a training backend (None: inference only): skipped
     # non-finite steps, which step_count leaves out; checkpoints carry its counts
     nonfinite: Any
+    # True when train_step's loss_fn gets every row's whole log-probs on every rank, so a batch
+    # trained in one optimizer step may take its old log-probs from that forward, detached
+    # (roles/old_logprobs.py); False: the separate pass always runs
+    old_logprobs_from_train_forward: bool
 
     @property
     def dp_rank(self) -> int: ...

@@ -72,6 +72,10 @@ class FSDP2Backend:
     context parallel; with `parallel.ep > 1` (an MoE model) each group of `ep` consecutive
     ranks splits the experts (expert_parallel.py) and FSDP2 shards the rest (models/parallel/)."""
 
+    # every rank's loss function sees its rows' whole [B, T] log-probs (tp/cp gather them):
+    # a one-step batch takes its old log-probs from there (roles/old_logprobs.py)
+    old_logprobs_from_train_forward = True
+
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> "FSDP2Backend":
         optim = None

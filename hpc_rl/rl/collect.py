@@ -1,6 +1,7 @@
 """One collection, as the trainer ranks run it: the driver orders every generator to
 sample its share, gathers the rows, the trainer ranks compute the student's log-probs
-while env ranks and teacher groups score, and the scores come back to the driver.
+(unless the train step's forward gives them: roles/old_logprobs.py) while env ranks and
+teacher groups score, and the scores come back to the driver.
 Every trainer rank returns the same `Batch`."""
 
 from __future__ import annotations
@@ -69,8 +70,13 @@ class Collector:
         batch = Batch(records, rows, pad_rows(rows, self.pad_id), versions, sibling_of=sibling_of)
         if episodes:
             batch.info["agentic"] = episodes
-        self.ctx.set_phase("logprobs")
-        batch.student_logprobs = self.trainer.student_logprobs(rows)
+        # a training batch trained in one optimizer step from the weights that sampled it takes
+        # its old log-probs from the training forward (roles/old_logprobs.py): no pass here
+        t_lp = time.perf_counter()
+        if not train or self.trainer.old_logprobs_reason(rows, step - 1) is not None:
+            self.ctx.set_phase("logprobs")
+            batch.student_logprobs = self.trainer.student_logprobs(rows)
+        logprobs_s = time.perf_counter() - t_lp
         self.ctx.set_phase("wait_scores")  # env ranks and teacher groups answer the driver
         scores = None
         if self.is_driver:
@@ -80,7 +86,8 @@ class Collector:
             batch.rewards, batch.correct = torch.tensor(rewards, dtype=torch.float32), correct
         if teacher is not None:
             batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in records])
-        batch.timing = {"generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen}
+        # score_s: from the rows to the scores, the separate pass (logprobs_s, 0 when skipped) included
+        batch.timing = {"generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen, "logprobs_s": logprobs_s}
         return batch
 
     def gather_rows(self, n: int):

@@ -17,6 +17,7 @@ from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_a
                          sequence_keep_mask)
 from hpc_rl.models.backend import BackendSpec, TrainingBackend, parallel_sizes
 from hpc_rl.models.registry import build_backend
+from hpc_rl.roles.old_logprobs import SEPARATE_PASS, TRAINING_FORWARD, ForwardLogprobs, separate_pass_reason
 from hpc_rl.precision import vllm_dtype
 from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
 from hpc_rl.messaging import p2p as exchange
@@ -139,33 +140,73 @@ class TrainerRole:
             adv = torch.cat([adv, adv[torch.tensor(b.sibling_of)]])
         return per_token(adv, mask)
 
+    def old_logprobs_reason(self, rows: List[SampleRow], version: Optional[int]) -> Optional[str]:
+        """Why a training batch of `rows` needs the separate log-prob pass; None: its training
+        forward gives the old log-probs (roles/old_logprobs.py). Every trainer rank decides alike."""
+        return separate_pass_reason(self.cfg, rows, version, self.backend.dp_size,
+                                    getattr(self.backend, "old_logprobs_from_train_forward", False))
+
     def train(self, b: Batch) -> Dict[str, Any]:
         """One optimizer step per `trainer.global_batch_size` minibatch; each data-parallel
-        rank takes its strided rows of the minibatch in `trainer.micro_batch_size` pieces."""
+        rank takes its strided rows of the minibatch in `trainer.micro_batch_size` pieces.
+        Without `b.student_logprobs` (the collection skipped the separate pass) each
+        micro-batch takes its old log-probs from its own forward, detached; where the
+        conditions do not hold the separate pass runs here."""
         a, tr = self.cfg.algo, self.cfg.trainer
         r = b.rollouts
         mask = r.response_mask
-        adv = b.advantages = self.advantages(b)
         mm = a.mismatch
-        weights = importance_weights(b.student_logprobs, r.generation_logprobs, mask, mm.kind, mm.min, mm.max)
-        keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
-        train_mask = mask & keep_seq[:, None]
+        path, logprobs_s = SEPARATE_PASS, 0.0
+        if b.student_logprobs is None:
+            if self.old_logprobs_reason(b.rows, None) is None:
+                path = TRAINING_FORWARD
+            else:  # a caller left it out where the shortcut would change the math
+                t0 = time.perf_counter()
+                b.student_logprobs = self.student_logprobs(b.rows)
+                logprobs_s = time.perf_counter() - t0
+        fwd = ForwardLogprobs() if path == TRAINING_FORWARD else None
+        if fwd is None:
+            adv = b.advantages = self.advantages(b)
+            weights = importance_weights(b.student_logprobs, r.generation_logprobs, mask, mm.kind, mm.min, mm.max)
+            keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
+            train_mask = mask & keep_seq[:, None]
+        else:  # GRPO's advantages need no log-probs; MOPD's come per micro-batch (baseline none)
+            adv = self.advantages(b) if a.name != "mopd" else None
+            train_mask = mask
         n, dp = len(b.rows), self.backend.dp_size
         metrics: List[Dict[str, float]] = []
         for start in range(0, n, tr.global_batch_size):
             idx = torch.tensor(list(range(start, min(start + tr.global_batch_size, n)))[self.backend.dp_rank::dp])
-            tokens = max(int(train_mask[idx].sum()), 1)  # the rank's share's tokens: the loss's denominator
+            # the rank's share's tokens: the loss's denominator (with the threshold the shortcut
+            # runs one micro-batch per rank, which computes its own: None)
+            tokens = max(int(train_mask[idx].sum()), 1)
+            if fwd is not None and mm.seq_logprob_error_threshold is not None:
+                tokens = None
 
             def loss_fn(lp, rows, idx=idx, tokens=tokens):
                 i = idx[rows]
-                loss, m = policy_loss(lp, b.student_logprobs[i], adv[i], train_mask[i], kind=a.loss.kind,
-                                      clip_low=a.loss.ratio_clip_low, clip_high=a.loss.ratio_clip_high,
-                                      weights=weights[i])
+                if fwd is None:
+                    old, adv_i, w_i, tm_i = b.student_logprobs[i], adv[i], weights[i], train_mask[i]
+                else:  # the same functions over the micro-batch's rows: elementwise / per row
+                    old = fwd.keep(i, lp)
+                    gen = r.generation_logprobs[i]
+                    adv_i = adv[i] if adv is not None else opd_advantages(
+                        b.teacher_logprobs[i], old, mask[i], a.opd.adv_clip, a.opd.baseline)
+                    w_i = importance_weights(old, gen, mask[i], mm.kind, mm.min, mm.max)
+                    tm_i = mask[i] & sequence_keep_mask(old, gen, mask[i], mm.seq_logprob_error_threshold)[:, None]
+                mine = max(int(tm_i.sum()), 1)
+                loss, m = policy_loss(lp, old, adv_i, tm_i, kind=a.loss.kind, clip_low=a.loss.ratio_clip_low,
+                                      clip_high=a.loss.ratio_clip_high, weights=w_i)
                 # policy_loss averages over the micro-batch's tokens; rescale to the share's
-                return loss * (max(int(train_mask[i].sum()), 1) / tokens), m
+                return loss * (mine / (tokens or mine)), m
 
             metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn,
                                                    micro_batch_size=tr.micro_batch_size))
+        if fwd is not None:  # the whole batch's, for the records and the metrics below
+            b.student_logprobs = fwd.whole(tuple(mask.shape), self.ctx.groups.role,
+                                           dist.get_world_size(self.ctx.groups.role))
+            adv = b.advantages = self.advantages(b)
+            keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
         # the ranks agree on every skip (models/nonfinite.py): counted, not averaged
         skipped = sum(int(m.pop("nonfinite_skipped")) for m in metrics)
         skipped_total = [int(m.pop("nonfinite_skipped_total")) for m in metrics][-1]
@@ -180,4 +221,8 @@ class TrainerRole:
         out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
         out["optimizer_steps"] = len(metrics)
         out["nonfinite_skipped"], out["nonfinite_skipped_total"] = skipped, skipped_total
+        # which pass gave the old log-probs (roles/old_logprobs.py); a late separate pass's seconds
+        out["old_logprobs_path"] = path
+        if logprobs_s:
+            out["late_logprobs_s"] = logprobs_s
         return out

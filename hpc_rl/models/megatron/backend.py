@@ -42,6 +42,10 @@ from .vocab_parallel import vocab_parallel_logprobs
 
 
 class MegatronBackend:
+    # its loss function runs on the last pipeline stage only: the separate log-prob pass always
+    # runs (roles/old_logprobs.py)
+    old_logprobs_from_train_forward = False
+
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> "MegatronBackend":
         parallel = spec.parallel
