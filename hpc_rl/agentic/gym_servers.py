@@ -147,8 +147,8 @@ class GymServers:
     def _run(self, argv, ready, started) -> None:
         """Start Gym, then read its output. In a thread that lives as long as Gym: the
         parent-death signal follows the thread that started the process. Gym's servers run in
-        the rank's process group (the rank's supervisor kills them with its leftovers) and, with
-        tests/gym_python.sh's wrapper, in a pid namespace that dies with it (bwrap --die-with-parent)."""
+        the rank's process group (the rank's supervisor kills them with its leftovers) and in the
+        jail's pid namespace, which dies with it (bwrap --die-with-parent)."""
         def dies_with_parent():
             import ctypes
 
