@@ -73,10 +73,14 @@ def _launch(run: Path, *args, env=None):
 @pytest.mark.slow
 def test_async_grpo_trains_one_step_behind_and_never_beyond_the_bound(tmp_path):
     run = tmp_path / "run"
-    rows = _launch(run, "+recipe=tiny_grpo", *SMALL, *SLOW_TRAIN_STEP)
+    # with a reference model (algo.ref_kl_coef): its group scores the gathered collections too
+    rows = _launch(run, "+recipe=tiny_grpo", *SMALL, *SLOW_TRAIN_STEP, "algo.ref_kl_coef=0.05")
     check_slow_train_step_was_waited_for(run, phase="wait_send")
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # the reference is the starting student in its precision: step 1's samples and weights are
+    # the start's, so their KL is 0 to rounding; later the trained weights move away from it
+    assert abs(steps[0]["ref_kl"]) < 1e-5 and all(r["ref_kl"] > 1e-6 for r in steps[1:]), [r["ref_kl"] for r in steps]
     with h5py.File(run / "rollouts.h5", "r") as f:
         for s in range(1, 5):
             g = f[f"step_{s:06d}"]

@@ -90,9 +90,10 @@ def test_runtime_reads_are_recorded_and_validation_or_test_reads_are_not():
 
     cfg = load_config(["+recipe=ultra_mopd"])
     with trace.capture() as got:
-        assert cfg.algo.ref_kl_coef == 0.0  # this test reading: not evidence
+        assert cfg.algo.loss.kind == "ppo"  # this test reading: not evidence
         build_plan(cfg)  # the planner (through config.resources' helpers, on its behalf)
-    assert "algo.ref_kl_coef" not in got
+    assert "algo.loss.kind" not in got
+    assert "algo.ref_kl_coef" in got  # the planner places a reference role when it is > 0
     assert {"trainer.nodes", "trainer.parallel.tp", "teachers.*.parallel.tp"} <= set(got)
     assert got["trainer.parallel.tp"] == {"hpc_rl.plan.job_plan"}
     assert not any(k.startswith("teachers.general") for k in got)  # dict entries read as teachers.*

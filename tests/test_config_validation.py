@@ -145,7 +145,6 @@ UNSUPPORTED = [
     (TINY + ["trainer.tasks_per_node=4", "trainer.parallel.cp=2", "trainer.parallel.tp=2"], "trainer.parallel.cp",
      "not both in one model"),
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
-    (TINY + ["algo.ref_kl_coef=0.05"], "algo.ref_kl_coef", "no reference model"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
     (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2, qwen3_moe and nemotron_h checkpoints only"),

@@ -50,14 +50,16 @@ def test_a_step_record_flattens_to_slash_names_on_its_step():
                     "timing/generate_s": 1.5, "timing/refit_s": 0.1, "optimizer_steps": 2.0}
 
 
-def test_an_eval_record_is_prefixed_by_its_kind_and_names_are_made_safe():
+def test_a_validation_record_is_prefixed_val_and_names_are_made_safe():
     rec = {"kind": "eval", "tag": "end", "step": 3, "time": 1.7e9, "accuracy": {"add_agent": 0.5},
            "reverse_kl": {}, "teacher_accuracy": {"swe pivot*": 1.0}, "prompts": 16}
-    assert flatten(rec) == (3, {"eval/accuracy/add_agent": 0.5, "eval/teacher_accuracy/swe pivot_": 1.0,
-                                "eval/prompts": 16.0})
+    # metrics.jsonl keeps "kind": "eval"; every logger and plot names the validation's metrics val/...
+    assert flatten(rec) == (3, {"val/accuracy/add_agent": 0.5, "val/teacher_accuracy/swe pivot_": 1.0,
+                                "val/prompts": 16.0})
     s = series([{"kind": "eval", "step": 0, "accuracy": {"a": 0.1}}, {"kind": "step", "step": 1, "loss": 2.0},
                 {"kind": "eval", "step": 1, "accuracy": {"a": 0.3}}])
-    assert s == {"eval/accuracy/a": [(0, 0.1), (1, 0.3)], "loss": [(1, 2.0)]}
+    assert s == {"val/accuracy/a": [(0, 0.1), (1, 0.3)], "loss": [(1, 2.0)]}
+    assert flatten({"kind": "other", "step": 2, "x": 1.0}) == (2, {"other/x": 1.0})  # other kinds keep theirs
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ def test_a_resumed_sink_continues_each_backends_run_and_tensorboard_drops_recomp
     second.append({"kind": "step", "step": 3, "loss": 30.0})
     second.close(finished=True)
     assert json.loads((tmp_path / "loggers.json").read_text()) == ids  # the same W&B and MLflow runs
-    assert tensorboard_points(tmp_path / "tensorboard") == {("eval/accuracy/add_agent", 0): 0.5, ("loss", 1): 1.0,
+    assert tensorboard_points(tmp_path / "tensorboard") == {("val/accuracy/add_agent", 0): 0.5, ("loss", 1): 1.0,
                                                             ("loss", 2): 2.0, ("loss", 3): 30.0}
     got, status = mlflow_points(tmp_path, {"loss"})
     assert status == "FINISHED"
@@ -235,7 +237,7 @@ def observed_run(tiny_mopd_three_steps):
 def test_tensorboard_holds_the_metrics_of_metrics_jsonl(observed_run):
     run, _ = observed_run
     want = expected_points(run)
-    assert {("reverse_kl/add", 1), ("eval/accuracy/mul_agent", 3), ("timing/refit_s", 3)} <= set(want)
+    assert {("reverse_kl/add", 1), ("val/accuracy/mul_agent", 3), ("timing/refit_s", 3)} <= set(want)
     assert_same(tensorboard_points(run / "tensorboard"), want, rel=1e-6)  # TensorBoard stores float32
 
 
@@ -267,7 +269,7 @@ def test_no_planted_secret_reaches_any_file_of_the_run_or_its_output(observed_ru
 @pytest.mark.slow
 def test_plots_at_the_end_of_the_run_and_on_demand(observed_run, tmp_path):
     run, _ = observed_run
-    stems = {"reverse_kl", "reward", "accuracy", "mult_prob_error", "phase_time", "refit", "overview"}
+    stems = {"reverse_kl", "reward", "accuracy", "validation", "mult_prob_error", "phase_time", "refit", "overview"}
     assert {p.stem for p in (run / "plots").glob("*.png")} == stems  # the driver's, at the end
     proc = subprocess.run([sys.executable, "-m", "hpc_rl.plot", str(run), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

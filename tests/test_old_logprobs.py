@@ -39,12 +39,15 @@ def _role(cfg, backend) -> TrainerRole:
     return role
 
 
-def _rows(n: int, version: int = 0):
-    return [SimpleNamespace(version_first=version, version_last=version) for _ in range(n)]
+def _rows(n: int, version: int = 0, truncated=(), lengths=()):
+    return [SimpleNamespace(version_first=version, version_last=version, truncated=i in truncated,
+                            response_ids=[0] * (lengths[i] if lengths else 8)) for i in range(n)]
 
 
-def _step(ckpt: str, overrides, separate: bool):
-    """One RL train step of 8 rows on a fresh student; the gradients the optimizer applied."""
+def _step(ckpt: str, overrides, separate: bool, truncated=(), lengths=(), ref_shift: float = 0.0):
+    """One RL train step of 8 rows on a fresh student; the gradients the optimizer applied.
+    Rows `truncated` were cut at max_tokens; `lengths` are their response lengths; the
+    reference model's log-probs are the student's starting ones less `ref_shift` * noise."""
     world = dist.get_world_size()
     cfg = load_config(overrides)
     backend = FSDP2Backend(ckpt, group=dist.group.WORLD if world > 1 else None, optim=OptimConfig(lr=1e-2))
@@ -56,7 +59,9 @@ def _step(ckpt: str, overrides, separate: bool):
     lp = backend.logprobs(ids, attn).float()
     # the engine's log-probs: near the trainer's, so the mismatch weights are not all 1
     gen = lp + 0.05 * torch.randn(lp.shape, generator=g)
-    batch = SimpleNamespace(rows=_rows(8), items=8, sibling_of=[], student_logprobs=lp if separate else None,
+    ref = lp - ref_shift * torch.rand(lp.shape, generator=torch.Generator().manual_seed(2))
+    batch = SimpleNamespace(rows=_rows(8, 0, truncated, lengths), items=8, sibling_of=[], ref_logprobs=ref,
+                            student_logprobs=lp if separate else None,
                             rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.0, 1.0]), advantages=None,
                             teacher_logprobs=lp - torch.rand(lp.shape, generator=g),
                             rollouts=SimpleNamespace(response_mask=mask, generation_logprobs=gen, input_ids=ids,
@@ -74,7 +79,7 @@ def _step(ckpt: str, overrides, separate: bool):
     backend.optimizer.step = step
     metrics = role.train(batch)
     return {"metrics": metrics, "grads": grads, "student_logprobs": batch.student_logprobs,
-            "advantages": batch.advantages, "separate": lp}
+            "advantages": batch.advantages, "separate": lp, "ref": ref, "mask": mask}
 
 
 CASES = {

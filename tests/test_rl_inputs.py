@@ -14,7 +14,7 @@ from hpc_rl.config import load_config
 from hpc_rl.data.tasks import mixed, write_jsonl
 from hpc_rl.launch import main
 from hpc_rl.models.assets import ModelSpec, save_untrained
-from hpc_rl.rl.inputs import check_inputs, eval_records, load_dataset
+from hpc_rl.rl.inputs import check_inputs, eval_records, load_dataset, load_validation
 
 SPEC = ModelSpec(hidden=32, intermediate=64, layers=1, heads=1, max_positions=64)
 
@@ -130,7 +130,9 @@ def test_generated_dataset_and_eval_prompts(model_dir, tmp_path):
     assert len(ds) == 20 and {r.agent for r in ds} == {"add_agent", "mul_agent"}
     ev = eval_records(ds, 4, seed=1)
     assert len(ev) == 8 and ev == eval_records(ds, 4, seed=1)  # fixed: the same at the start and the end
-    assert load_dataset(cfg).records == ds.records
+    # the training rows are the dataset's less the held-out validation items (rl/heldout.py)
+    train, val = load_dataset(cfg), load_validation(cfg)
+    assert len(val) > 0 and sorted(map(repr, train.records + val.records)) == sorted(map(repr, ds.records))
 
 
 def test_checkpoints_of_another_recipe_are_refused_before_launch_and_so_is_a_fresh_start_over_them(model_dir, tmp_path, capsys):

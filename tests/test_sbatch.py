@@ -122,14 +122,14 @@ def _run_hand_submitted(tmp_path, *overrides):
 
 def test_hand_submitted_script_refuses_a_config_it_cannot_run_before_any_srun(tmp_path):
     # ultra_mopd plans (the dry run shows it) but this run cannot start: no student checkpoint
-    # (an input check), and a KL penalty against a reference model this version does not have
-    # (a support rule). launcher=slurm refuses that before it submits; a script submitted by
-    # hand must refuse it too, not start 224 nodes of ranks that fail.
-    proc, run_dir, calls = _run_hand_submitted(tmp_path, "recipe=ultra_mopd", "algo.ref_kl_coef=0.1")
+    # (an input check), and a precision for env ranks, which load no model (a support rule).
+    # launcher=slurm refuses that before it submits; a script submitted by hand must refuse it
+    # too, not start 224 nodes of ranks that fail.
+    proc, run_dir, calls = _run_hand_submitted(tmp_path, "recipe=ultra_mopd", "env.precision=fp32")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "nothing was submitted" in out
-    assert "algo.ref_kl_coef = 0.1" in out and "model.path = None" in out  # support rules and input checks
+    assert "env.precision = fp32" in out and "model.path = None" in out  # support rules and input checks
     assert calls == [], calls  # neither srun nor any other Slurm command was reached
     assert not (run_dir / "plan.json").exists()
 

@@ -173,7 +173,7 @@ def test_the_view_shows_progress_phases_metrics_and_the_slowest_ranks(tmp_path):
     assert "generator           2  refit@3 x2" in view and "generator:1 refit for 3.5s" in view
     assert "trainer:0 train for 1.0s" in view
     assert "     2    2.00   0.8000   0.500   1.00001   0.0100" in view
-    assert "eval start (step 0): accuracy add_agent 0.500; reverse KL mean 0.9500" in view
+    assert "validation start (step 0): accuracy add_agent 0.500; reverse KL mean 0.9500" in view
     assert "slowest rank per role" in view and "step 3 " not in view
     assert "step 2   trainer       trainer:0           1.50 (1.50) of 2.00  wait_rows* 0.50 train 1.50" in view
     assert "         generator     generator:1         0.90 (0.70) of 2.00  wait* 1.10 sample 0.90" in view

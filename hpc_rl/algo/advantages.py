@@ -6,6 +6,8 @@ the policy gradient flows only through the trainer's current log-probs.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 
 __all__ = ["opd_advantages", "grpo_advantages", "per_token"]
@@ -48,6 +50,7 @@ def grpo_advantages(
     leave_one_out: bool = False,
     normalize_std: bool = True,
     eps: float = 1e-6,
+    clip: Tuple[Optional[float], Optional[float]] = (None, None),
 ) -> torch.Tensor:
     """Group-relative advantages for GRPO, [B] -> [B] float32.
 
@@ -57,7 +60,10 @@ def grpo_advantages(
     it equals G/(G-1) times the mean-centred reward). With `normalize_std` the result is
     divided by the group's reward std (unbiased, Bessel-corrected, as in TRL / NeMo-RL)
     plus `eps`, which puts easy and hard prompts on one scale. A group whose samples all
-    earned the same reward gives zeros: it carries no signal.
+    earned the same reward gives zeros: it carries no signal. `clip` = (low, high) clamps the
+    result after the std (None: that side open), as NeMo RL's advantage_clip_low/high: a
+    group with one success among many failures gets a large advantage under the std, and
+    the clip bounds that sample's step.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
@@ -78,6 +84,9 @@ def grpo_advantages(
     adv = r - baseline
     if normalize_std:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    low, high = clip
+    if low is not None or high is not None:
+        adv = adv.clamp(min=low, max=high)
     return adv.reshape(-1)
 
 

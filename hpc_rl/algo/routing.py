@@ -69,9 +69,13 @@ class TeacherRouter:
 
     @classmethod
     def from_config(cls, cfg: "RunConfig") -> "TeacherRouter":
+        from hpc_rl.config.resources import REFERENCE, reference_checkpoint
+
         r = cfg.routing
-        return cls(r.agents, default=r.default, strict=r.strict,
-                   checkpoints={alias: t.checkpoint for alias, t in cfg.teachers.items()})
+        checkpoints = {alias: t.checkpoint for alias, t in cfg.teachers.items()}
+        if reference_checkpoint(cfg) is not None:  # a group no agent routes to (teacher_groups' order: last)
+            checkpoints[REFERENCE] = reference_checkpoint(cfg)
+        return cls(r.agents, default=r.default, strict=r.strict, checkpoints=checkpoints)
 
     def _describe(self) -> str:
         listed = "; ".join(f"{alias}: {names}" for alias, names in self.agents.items())

@@ -44,7 +44,11 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate_logging.py", "checked"),
     ("config/validate_agentic.py", "checked"),
     ("config/validate_rundir.py", "checked"),
+    ("config/validate_data.py", "checked"),
+    ("config/validate_algo.py", "checked"),
+    ("config/validate_dynamic_sampling.py", "checked"),
     ("rl/inputs.py", "inputs"),
+    ("rl/heldout.py", "inputs"),
     ("slurm/preflight.py", "cluster"),
     ("config/support.py", "refused"),
 ]

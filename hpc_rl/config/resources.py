@@ -115,6 +115,10 @@ def derived_segment(role: RoleResources, cluster: ClusterConfig) -> int:
     return 1
 
 
+# The reference model's alias among the teachers' (reserved: no teacher may take it).
+REFERENCE = "reference"
+
+
 @dataclass
 class TeacherGroup:
     """One rank group serving every alias that names the same checkpoint."""
@@ -122,22 +126,50 @@ class TeacherGroup:
     name: str  # the first alias in definition order
     aliases: List[str]
     config: TeacherConfig
+    key: str = ""  # its config section: teachers.<name>, or reference
+
+    @property
+    def serves_reference(self) -> bool:
+        return REFERENCE in self.aliases
+
+
+def reference_checkpoint(cfg: RunConfig) -> Optional[str]:
+    """The reference model's checkpoint when the run has one (algo.ref_kl_coef > 0), else None."""
+    if cfg.algo.ref_kl_coef <= 0:
+        return None
+    return cfg.reference.checkpoint or cfg.model.path
 
 
 def teacher_groups(cfg: RunConfig) -> List[TeacherGroup]:
+    """The inference-only rank groups: one per distinct teacher checkpoint, in definition order,
+    then the reference model's, unless a teacher has its checkpoint (that group serves both)."""
     by_ckpt: Dict[str, TeacherGroup] = {}
     for alias, teacher in cfg.teachers.items():
         group = by_ckpt.get(teacher.checkpoint)
         if group is None:
-            by_ckpt[teacher.checkpoint] = TeacherGroup(alias, [alias], teacher)
+            by_ckpt[teacher.checkpoint] = TeacherGroup(alias, [alias], teacher, f"teachers.{alias}")
         else:
             group.aliases.append(alias)
+    ref = reference_checkpoint(cfg)
+    if ref is not None:
+        if ref in by_ckpt:
+            by_ckpt[ref].aliases.append(REFERENCE)
+        else:
+            by_ckpt[ref] = TeacherGroup(REFERENCE, [REFERENCE], cfg.reference, REFERENCE)
     return list(by_ckpt.values())
+
+
+def group_config(cfg: RunConfig, name: str) -> TeacherConfig:
+    """The resources and checkpoint of the teacher group `name` (a teacher alias or the reference)."""
+    for g in teacher_groups(cfg):
+        if g.name == name:
+            return g.config
+    raise KeyError(f"no teacher group {name!r}")
 
 
 def role_sections(cfg: RunConfig) -> List[tuple]:
     """(role name, config key, resources) in het-component order."""
     roles = [("trainer", "trainer", cfg.trainer), ("generator", "generator", cfg.generator)]
-    roles += [(f"teacher/{g.name}", f"teachers.{g.name}", g.config) for g in teacher_groups(cfg)]
+    roles += [(f"teacher/{g.name}", g.key, g.config) for g in teacher_groups(cfg)]
     roles.append(("env", "env", cfg.env))
     return roles

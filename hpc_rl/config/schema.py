@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
 from .schema_agentic import AgenticConfig
+from .schema_algo import AlgoConfig, ValidationConfig
 from .schema_trainer import OptimizerConfig, SchedulerConfig
 from .trace import Traced
 
@@ -205,6 +206,16 @@ class TeacherConfig(RoleResources):
 
 
 @dataclass
+class ReferenceConfig(TeacherConfig):
+    """The reference model of algo.ref_kl_coef: an inference-only role placed like a teacher; a teacher
+    with the same checkpoint serves it (one rank group). Placed only when algo.ref_kl_coef > 0."""
+
+    checkpoint: Optional[str] = None  # a checkpoint as model.path's; None: the student's starting weights (model.path)
+    # None: trainer.precision, so the KL at the first step is the weights' alone, not a precision gap
+    precision: Optional[Precision] = None  # type: ignore[assignment]
+
+
+@dataclass
 class EnvConfig(RoleResources):
     """Reward environments and verifiers; CPU-only unless the recipe gives them GPUs."""
 
@@ -225,73 +236,6 @@ class RoutingConfig(Traced):
 
 
 @dataclass
-class OPDConfig(Traced):
-    adv_clip: float = 20.0  # advantages clipped to [-adv_clip, adv_clip]
-    # Subtract the batch's mean advantage over trained tokens (after clipping). A constant
-    # baseline leaves the expected policy gradient unchanged and removes the large common
-    # offset (wrong tokens all sit near log p_teacher = -10), which on small batches
-    # otherwise drowns the signal. "none" is the plain A_t = sg[log p_T - log p_S].
-    baseline: Literal["none", "token_mean"] = "none"
-
-
-@dataclass
-class GRPOConfig(Traced):
-    leave_one_out: bool = False  # baseline: the mean of the group's other samples (RLOO) instead of the group mean
-    normalize_std: bool = True  # divide by the group's reward std, which puts easy and hard prompts on one scale
-
-
-@dataclass
-class LossConfig(Traced):
-    # ppo: -min(ratio * A, clip(ratio) * A), the ratio taken against the student's log-probs before
-    # this step's updates; reinforce: -A * log-prob (no ratio, no clip).
-    kind: Literal["ppo", "reinforce"] = "ppo"
-    ratio_clip_low: float = 0.2  # ppo: the ratio is clipped below at 1 - ratio_clip_low
-    ratio_clip_high: float = 0.2  # ppo: the ratio is clipped above at 1 + ratio_clip_high (clip-higher when larger)
-
-
-@dataclass
-class MismatchConfig(Traced):
-    """Correction for generation (vLLM) vs trainer logprob mismatch."""
-
-    # Each token's loss weight p_trainer / p_vLLM: tis clamps it to [min, max]; icepop zeroes it
-    # outside [min, max]; none: weight 1.
-    kind: Literal["none", "tis", "icepop"] = "tis"
-    min: float = 0.2  # lower bound of the weight (tis, icepop)
-    max: float = 5.0  # upper bound of the weight (tis, icepop)
-    # mask a sequence whose mean multiplicative probability error exceeds this; None: off
-    seq_logprob_error_threshold: Optional[float] = None
-
-
-@dataclass
-class AsyncConfig(Traced):
-    enabled: bool = False  # the generators sample step k+1 while the trainer trains step k
-    # A prompt group with a sample older than this many policy versions is dropped from the batch.
-    max_trajectory_age_steps: int = 1
-    # Send step k's weights right after its train step, loaded by the engines between scheduler
-    # steps while they sample step k+1 (needs enabled).
-    in_flight_weight_updates: bool = False
-    # After an in-flight refit, drop the running requests' KV cache so their prompts and
-    # tokens so far are prefilled again under the new weights (false: keep the cache built
-    # by the old weights, as NeMo RL's default).
-    recompute_kv_cache_after_weight_updates: bool = False
-
-
-@dataclass
-class AlgoConfig(Traced):
-    # mopd: per-token advantage log p_teacher - log p_student from each sample's routed teacher;
-    # grpo: group-relative advantages of the env rewards.
-    name: Literal["mopd", "grpo"] = "mopd"
-    prompts_per_step: int = 8  # prompts drawn per RL step
-    generations_per_prompt: int = 1  # samples per prompt, consecutive (grpo's group size)
-    ref_kl_coef: float = 0.0  # coefficient of a KL penalty against a reference model; this version has none (0 only)
-    opd: OPDConfig = field(default_factory=OPDConfig)  # MOPD's per-token advantages (algo.name=mopd)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # GRPO's group-relative advantages (algo.name=grpo)
-    loss: LossConfig = field(default_factory=LossConfig)  # the policy-gradient loss of both algorithms
-    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
-    async_rollout: AsyncConfig = field(default_factory=AsyncConfig)  # overlap sampling with training
-
-
-@dataclass
 class DataConfig(Traced):
     """The prompts. A JSONL file (rows as hpc_rl/data/dataset.py describes), or synthetic
     tasks generated into the run directory when `path` is unset."""
@@ -303,9 +247,11 @@ class DataConfig(Traced):
     samples_per_task: int = 512  # generated rows per task (path unset)
     skip_invalid: bool = False  # skip (and count) malformed rows instead of failing at launch
     shuffle: bool = True  # a new prompt order every epoch (seeded by run.seed); false: the dataset's order
-    # Held-out prompts per task scored at the start and the end of the run (greedy accuracy,
-    # reverse KL to the routed teacher); 0 turns the evaluation off.
+    # Validation prompts per task (data.validation: never trained on) scored at the start, the end
+    # and every data.validation.every_steps (greedy accuracy, pass@k, reverse KL to the routed
+    # teacher); 0 turns validation off.
     eval_prompts_per_task: int = 32
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  # the held-out validation set
 
 
 @dataclass
@@ -313,6 +259,11 @@ class CheckpointConfig(Traced):
     every_steps: int = 10  # save every N RL steps (and at run.max_steps)
     keep_last: int = 2  # after each save the newest N complete checkpoints (and keep_every's) stay; others are deleted
     keep_every: Optional[int] = None  # also keep every N-th step's checkpoint
+    # Also keep the best N checkpoints by best_metric of the validation at their step (a validation
+    # step also saves a checkpoint); 0: off.
+    keep_best: int = 0
+    best_metric: str = "val/accuracy_mean"  # a validation metric's name as metrics.jsonl has it
+    best_mode: Literal["max", "min"] = "max"  # max: higher is better (accuracy); min: lower (a KL)
     dir: Optional[str] = None  # None: <run dir>/checkpoints
     # Resume from the newest complete checkpoint under dir; false starts fresh, ignoring them.
     resume: bool = True
@@ -389,6 +340,7 @@ class RunConfig(Traced):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the student's ranks; trainer rank 0 drives the loop
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the vLLM engines that sample rollouts
     teachers: Dict[str, TeacherConfig] = field(default_factory=dict)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # the reference model (algo.ref_kl_coef > 0)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)  # the RL algorithm and its loss

@@ -171,9 +171,6 @@ RULES: List[Rule] = [
          f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
          # a GPU cluster: megatron is refused on CPU clusters (validate.py)
          example="gpt2", applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
-    Rule("algo.ref_kl_coef", lambda v: v != 0,
-         "this version has no reference model and no KL penalty against it; the coefficient would be ignored",
-         "set algo.ref_kl_coef=0.0", example=0.1),
 ]
 
 FACTS: List[Fact] = [

@@ -21,12 +21,15 @@ from .resources import (
     replica_tasks,
     role_sections,
     tasks_per_node,
+    REFERENCE,
     teacher_groups,
     world_size,
 )
 from .schema import GeneratorConfig, RoleResources, RunConfig
 from .validate_agentic import check_agentic
+from .validate_algo import check_algo_options
 from .validate_async import check_in_flight
+from .validate_data import check_validation
 from .validate_generator import check_generator
 from .validate_logging import check_logging
 from .validate_rundir import check_run_dir
@@ -192,13 +195,19 @@ def check_teachers_and_routing(out: List[Violation], cfg: RunConfig) -> None:
                                  f"set teachers.{alias}.checkpoint to a model path or name"))
     for group in teacher_groups(cfg):
         for alias in group.aliases[1:]:
-            other = cfg.teachers[alias]
+            other = cfg.reference if alias == REFERENCE else cfg.teachers[alias]
             for fld in ("nodes", "gpus_per_node", "tasks_per_node", "parallel", "precision", "segment_size"):
-                if getattr(other, fld) != getattr(group.config, fld):
-                    out.append(Violation(f"teachers.{alias}.{fld}", getattr(other, fld),
-                                         f"alias {alias!r} shares checkpoint {group.config.checkpoint!r} with {group.name!r}, "
-                                         f"so they share one rank group, but {fld} differs",
-                                         f"set teachers.{alias}.{fld} to {getattr(group.config, fld)!r} or give it its own checkpoint"))
+                mine, theirs = getattr(other, fld), getattr(group.config, fld)
+                if mine == theirs:
+                    continue
+                why = (f"alias {alias!r} shares checkpoint {group.config.checkpoint!r} with {group.name!r}, "
+                       f"so they share one rank group, but {fld} differs")
+                if alias != REFERENCE:
+                    out.append(Violation(f"teachers.{alias}.{fld}", mine, why,
+                                         f"set teachers.{alias}.{fld} to {theirs!r} or give it its own checkpoint"))
+                elif mine is not None:  # the reference's precision None: its group's
+                    out.append(Violation(f"reference.{fld}", mine, why,
+                                         f"set reference.{fld} to {theirs!r} or give the reference its own checkpoint"))
     if not aliases:
         return
     if r.default is None:
@@ -251,6 +260,7 @@ def check_algo(out: List[Violation], cfg: RunConfig) -> None:
                              "set it above 1 (e.g. 2.0) or to null"))
     if a.ref_kl_coef < 0:
         out.append(Violation("algo.ref_kl_coef", a.ref_kl_coef, "must be >= 0", "set algo.ref_kl_coef >= 0"))
+    check_algo_options(out, cfg)
     asy = a.async_rollout
     if asy.max_trajectory_age_steps < 0:
         out.append(Violation("algo.async_rollout.max_trajectory_age_steps", asy.max_trajectory_age_steps, "must be >= 0",
@@ -306,6 +316,7 @@ def check_data(out: List[Violation], cfg: RunConfig) -> None:
         check_positive(out, "data.samples_per_task", d.samples_per_task)
     if d.eval_prompts_per_task < 0:
         out.append(Violation("data.eval_prompts_per_task", d.eval_prompts_per_task, "must be >= 0", "0 turns evaluation off"))
+    check_validation(out, cfg)  # data.validation.*, checkpoint keep-best (validate_data.py)
 
 
 def check_launch(out: List[Violation], cfg: RunConfig) -> None:

@@ -88,11 +88,15 @@ class PromptDataset(Sequence[PromptRecord]):
     """A validated JSONL file held in memory (prompt sets are megabytes, not terabytes)."""
 
     def __init__(self, records: List[PromptRecord], path: Optional[str] = None,
-                 skipped_lines: Optional[List[int]] = None, errors: Optional[List[DatasetError]] = None):
+                 skipped_lines: Optional[List[int]] = None, errors: Optional[List[DatasetError]] = None,
+                 lines: Optional[List[int]] = None):
         self.records = records
         self.path = path
         self.skipped_lines = skipped_lines or []
         self.errors = errors or []
+        # each record's 1-based line in `path` (blank and skipped lines make it differ from
+        # the index): what a refusal names, e.g. a validation row that is also a training row
+        self.lines = lines if lines is not None else list(range(1, len(records) + 1))
 
     @property
     def skipped(self) -> int:
@@ -103,6 +107,7 @@ class PromptDataset(Sequence[PromptRecord]):
         path = Path(path)
         records: List[PromptRecord] = []
         errors: List[DatasetError] = []
+        lines: List[int] = []
         with path.open("r", encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
@@ -114,13 +119,14 @@ class PromptDataset(Sequence[PromptRecord]):
                 else:
                     try:
                         records.append(parse_row(obj, default_id=f"{path.name}:{lineno}"))
+                        lines.append(lineno)
                         continue
                     except ValueError as exc:
                         err = DatasetError(path, lineno, str(exc))
                 if not skip_invalid:
                     raise err
                 errors.append(err)
-        return cls(records, str(path), [e.line for e in errors], errors)
+        return cls(records, str(path), [e.line for e in errors], errors, lines)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -40,6 +40,7 @@ class Order:
     sampling: Optional[Sampling] = None
     score_env: bool = False  # env ranks verify the rows and answer the driver
     score_teachers: bool = False  # teacher groups score their routed rows and answer the driver
+    score_reference: bool = False  # the reference's group scores every row (algo.ref_kl_coef > 0)
     train: bool = False  # a training step's collection: ft.inject_failure's @step fires
     # After forwarding this collection's rows, receive the trainer's weights of this version
     # (None: no refit follows). Lock-step: the order's own step; async: the step before it.
@@ -63,6 +64,8 @@ class Work:
     step: int = 0
     train: bool = False  # a training step's work (where ft.inject_failure's @step fires)
     items: List[Tuple[int, PromptRecord, Optional[SampleRow]]] = field(default_factory=list)
+    # the scorer serves the reference model too and gets every row: it answers (routed, all)
+    reference: bool = False
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Batch:
     correct: Optional[List[Optional[bool]]] = None
     teacher_logprobs: Optional[torch.Tensor] = None
     aliases: Optional[List[str]] = None  # the routed teacher alias per sample
+    ref_logprobs: Optional[torch.Tensor] = None  # the reference model's, [B, T] (algo.ref_kl_coef > 0)
     advantages: Optional[torch.Tensor] = None  # [B, T], set by the train step
     timing: Dict[str, float] = field(default_factory=dict)
     info: Dict[str, Any] = field(default_factory=dict)  # the step's rollout metrics (async: buffer depth, ages)
@@ -90,10 +94,20 @@ class Batch:
         """The collection's items (prompts x generations), its sibling samples left out."""
         return len(self.rows) - len(self.sibling_of)
 
-    def set_teacher_scores(self, scores: Dict[int, List[float]], aliases: List[str]) -> None:
-        tlp = torch.zeros_like(self.rollouts.generation_logprobs)
+    def _placed(self, scores: Dict[int, List[float]]) -> torch.Tensor:
+        """Per-sample response log-probs placed at their tokens' positions, [B, T]."""
+        out = torch.zeros_like(self.rollouts.generation_logprobs)
         for i, lps in scores.items():
             p = len(self.rows[i].prompt_ids)
-            tlp[i, p:p + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        self.teacher_logprobs = tlp
+            out[i, p:p + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return out
+
+    def set_teacher_scores(self, scores: Dict[int, List[float]], aliases: List[str]) -> None:
+        self.teacher_logprobs = self._placed(scores)
         self.aliases = aliases
+
+    def set_reference_scores(self, scores: Dict[int, List[float]]) -> None:
+        missing = [i for i in range(len(self.rows)) if i not in scores]
+        if missing:  # a penalty of 0 for a row would be silently wrong: the protocol broke
+            raise RuntimeError(f"the reference model scored {len(scores)} of {len(self.rows)} rows (missing {missing[:5]})")
+        self.ref_logprobs = self._placed(scores)

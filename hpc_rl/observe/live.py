@@ -134,13 +134,34 @@ def metrics_section(records: List[dict], n: int) -> List[str]:
                      f"sample ages {(r.get('versions') or {}).get('age')}, "
                      + ", ".join(f"{who} idle {max(v, 0.0):.0%}" for who, v in idle.items()))
     lines += agentic_section(steps)
-    evals = [r for r in records if r.get("kind") == "eval"]
-    if evals:
-        e = evals[-1]
-        acc = ", ".join(f"{k} {v:.3f}" for k, v in (e.get("accuracy") or {}).items())
-        kl = (e.get("reverse_kl") or {}).get("mean")
-        lines.append(f"eval {e.get('tag')} (step {e.get('step')}): accuracy {acc or '-'}"
-                     + (f"; reverse KL mean {kl:.4f}" if isinstance(kl, (int, float)) else ""))
+    lines += validation_section([r for r in records if r.get("kind") == "eval"])
+    return lines
+
+
+def _per_task(d: Optional[dict]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in (d or {}).items() if isinstance(v, (int, float))) or "-"
+
+
+def validation_section(evals: List[dict]) -> List[str]:
+    """The held-out validation (rl/eval.py's records): the latest one's accuracy per task and
+    mean, pass@k and mean@k, reverse KL; and the best accuracy mean so far, with its step."""
+    if not evals:
+        return []
+    e = evals[-1]
+    mean, kl, k = e.get("accuracy_mean"), (e.get("reverse_kl") or {}).get("mean"), e.get("k")
+    held = f", {e['prompts']} held-out prompts" if isinstance(e.get("prompts"), int) else ""
+    line = (f"validation {e.get('tag')} (step {e.get('step')}{held}): "
+            f"accuracy {_per_task(e.get('accuracy'))}" + (f" (mean {mean:.3f})" if isinstance(mean, (int, float)) else ""))
+    if k:
+        line += f"; pass@{k} {_per_task(e.get('pass_at_k'))}; mean@{k} {_per_task(e.get('mean_at_k'))}"
+    if isinstance(kl, (int, float)):
+        line += f"; reverse KL mean {kl:.4f}"
+    lines = [line]
+    ranked = [x for x in evals if isinstance(x.get("accuracy_mean"), (int, float))]
+    if len(ranked) > 1:
+        top = max(ranked, key=lambda x: (x["accuracy_mean"], x.get("step", 0)))
+        lines.append(f"validation best accuracy mean {top['accuracy_mean']:.3f} at step {top.get('step')} "
+                     f"({len(ranked)} validations)")
     return lines
 
 

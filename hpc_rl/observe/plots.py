@@ -3,9 +3,12 @@
 One PNG per panel in <run dir>/plots/ and `overview.png` with every panel on one page:
 
   reverse_kl          reverse KL to the routed teacher, per teacher (training batches as
-                      lines, the start/end evaluations as large markers)
+                      lines, the validations as large markers)
   reward              mean reward of the training batches
-  accuracy            accuracy per task (training batches; evaluations as markers)
+  ref_kl              KL to the reference model (algo.ref_kl_coef > 0)
+  accuracy            accuracy per task (training batches; validations as markers)
+  validation          the held-out validation: greedy accuracy per task and its mean, and with
+                      data.validation.k > 1 pass@k (dashed) and mean@k (dotted) per task
   mult_prob_error     token_mult_prob_error: vLLM's vs the trainer's token probabilities (same
                       weights), and policy_change_mult_prob_error (older weights, async)
   phase_time          seconds per phase of a step (generate, score, train, refit,
@@ -24,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hpc_rl.rundir import RunDir
 
-from .metrics import series
+from .metrics import VAL_PREFIX, series
 
 Series = Dict[str, List[Tuple[int, float]]]
 PHASES = ("generate_s", "score_s", "train_s", "refit_s", "checkpoint_s")  # drawn in this order, then any other
@@ -55,22 +58,22 @@ def _from_zero(ax, values: Sequence[float]) -> None:
 
 
 def _with_evals(ax, s: Series, name: str, ylabel: str) -> bool:
-    """Training lines of name/<k> and evaluation markers of eval/name/<k>, one colour per k."""
-    keys = list(dict.fromkeys(_children(s, name) + _children(s, f"eval/{name}")))
+    """Training lines of name/<k> and validation markers of val/name/<k>, one colour per k."""
+    keys = list(dict.fromkeys(_children(s, name) + _children(s, f"{VAL_PREFIX}/{name}")))
     for k in keys:
         color = None
         if f"{name}/{k}" in s:
             color = _line(ax, s[f"{name}/{k}"], label=k, linestyle="--" if k == "mean" else "-").get_color()
-        ev = s.get(f"eval/{name}/{k}")
+        ev = s.get(f"{VAL_PREFIX}/{name}/{k}")
         if ev:
             ax.plot([p[0] for p in ev], [p[1] for p in ev], linestyle="none", marker="D", markersize=8,
-                    color=color, label=f"{k} (eval)" if color is None else None, markeredgecolor="black")
+                    color=color, label=f"{k} (val)" if color is None else None, markeredgecolor="black")
     ax.set_ylabel(ylabel)
     return bool(keys)
 
 
 def draw_reverse_kl(ax, s: Series) -> bool:
-    ax.set_title("reverse KL to the routed teacher (diamonds: eval)")
+    ax.set_title("reverse KL to the routed teacher (diamonds: validation)")
     return _with_evals(ax, s, "reverse_kl", "nats / token")
 
 
@@ -83,9 +86,40 @@ def draw_reward(ax, s: Series) -> bool:
     return True
 
 
+def draw_ref_kl(ax, s: Series) -> bool:
+    """algo.ref_kl_coef: the training batches' KL to the reference model (the configured
+    estimator, and k1 beside it), at the weights that sampled them."""
+    ax.set_title("KL to the reference model")
+    if "ref_kl" not in s:
+        return False
+    _line(ax, s["ref_kl"], label="ref_kl")
+    if "ref_kl_k1" in s:
+        _line(ax, s["ref_kl_k1"], label="ref_kl_k1", linestyle="--")
+    ax.set_ylabel("nats / token")
+    return True
+
+
 def draw_accuracy(ax, s: Series) -> bool:
-    ax.set_title("accuracy per task (diamonds: greedy eval)")
+    ax.set_title("accuracy per task (diamonds: greedy validation)")
     return _with_evals(ax, s, "accuracy", "accuracy")
+
+
+def draw_validation(ax, s: Series) -> bool:
+    """The validation series over steps: greedy accuracy (solid), pass@k (dashed) and mean@k
+    (dotted), one colour per task; the means over tasks in black."""
+    k = int(s[f"{VAL_PREFIX}/k"][-1][1]) if s.get(f"{VAL_PREFIX}/k") else None
+    ax.set_title("held-out validation" + (f" (dashed: pass@{k}, dotted: mean@{k})" if k else ""))
+    tasks = _children(s, f"{VAL_PREFIX}/accuracy")
+    for t in tasks:
+        color = _line(ax, s[f"{VAL_PREFIX}/accuracy/{t}"], label=t).get_color()
+        for kind, style in (("pass_at_k", "--"), ("mean_at_k", ":")):
+            if f"{VAL_PREFIX}/{kind}/{t}" in s:
+                _line(ax, s[f"{VAL_PREFIX}/{kind}/{t}"], color=color, linestyle=style)
+    if f"{VAL_PREFIX}/accuracy_mean" in s and len(tasks) > 1:
+        _line(ax, s[f"{VAL_PREFIX}/accuracy_mean"], label="mean", color="black")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("accuracy")
+    return bool(tasks)
 
 
 def draw_mult_prob_error(ax, s: Series) -> bool:
@@ -135,7 +169,9 @@ def draw_refit(ax, s: Series) -> bool:
 PANELS: List[Tuple[str, Callable]] = [
     ("reverse_kl", draw_reverse_kl),
     ("reward", draw_reward),
+    ("ref_kl", draw_ref_kl),
     ("accuracy", draw_accuracy),
+    ("validation", draw_validation),
     ("mult_prob_error", draw_mult_prob_error),
     ("phase_time", draw_phase_time),
     ("refit", draw_refit),

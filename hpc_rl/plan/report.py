@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
+from hpc_rl.config.resources import REFERENCE, reference_checkpoint
 from hpc_rl.config.schema import RunConfig
 
 from .job_plan import JobPlan
@@ -31,14 +32,18 @@ def plan_table(plan: JobPlan) -> str:
 
 
 def routing_table(cfg: RunConfig, plan: JobPlan) -> str:
-    if not cfg.teachers:
-        return ""
     group_of = {alias: g for g, aliases in plan.teacher_aliases.items() for alias in aliases}
-    lines = [f"routing (default: {cfg.routing.default}{', strict' if cfg.routing.strict else ''}):"]
+    lines = []
+    if cfg.teachers:
+        lines.append(f"routing (default: {cfg.routing.default}{', strict' if cfg.routing.strict else ''}):")
     for alias in cfg.teachers:
         agents = cfg.routing.agents.get(alias, [])
         default = "  + unlisted agents" if alias == cfg.routing.default and not cfg.routing.strict else ""
         lines.append(f"  {alias:<12} -> teacher/{group_of[alias]:<12} {', '.join(agents) or '-'}{default}")
+    if REFERENCE in group_of:  # algo.ref_kl_coef > 0: every training sample, whatever its agent
+        lines.append(f"reference model ({reference_checkpoint(cfg)}) -> teacher/{group_of[REFERENCE]}: every training "
+                     f"sample (algo.ref_kl_coef={cfg.algo.ref_kl_coef}, {cfg.algo.ref_kl.estimator} in the "
+                     f"{cfg.algo.ref_kl.apply_to})")
     return "\n".join(lines)
 
 

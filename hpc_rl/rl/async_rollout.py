@@ -9,6 +9,8 @@ Step k on the trainer ranks:
   2. order k+1  the driver draws the next prompts and orders them with `refit_after=k`.
   3. batch k    the buffer's collection, shared in the trainer group, minus samples older
                 than `max_trajectory_age_steps` (whole prompt groups, counted).
+With dynamic sampling (rl/dynamic_sampling.py) step k's groups of one reward are dropped and
+the step is topped up by fresh collections between 1 and 2 (`_top_up`).
 The generator thus samples k+1 with the weights of step k-1 while the trainer trains k:
 each sample is one step old when it is trained on, and the generator's refit waits only for
 the gather, not for a train step.
@@ -28,6 +30,7 @@ from typing import Any, Dict, List, Optional, Union
 from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import COLLECT, IN_FLIGHT_KEY, Batch, request_seed
 
+from .dynamic_sampling import DynamicSamplingError, TopUps, settle
 from .staleness import drop_stale
 
 
@@ -45,6 +48,9 @@ class AsyncRollouts:
         self.outstanding: Optional[Dict[str, Any]] = None  # the order the generators work on
         self.refit_s = 0.0
         self.wait_s = 0.0  # the driver's time blocked on the generators and scorers
+        # dynamic sampling's extra collections of a step (rl/dynamic_sampling.py), drawn from the same iterator
+        self.topups = TopUps(self.cfg, collector, it, sampling, stream, distill) \
+            if self.cfg.algo.dynamic_sampling.enabled else None
 
     # --------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> Dict[str, Any]:
@@ -70,18 +76,23 @@ class AsyncRollouts:
             self._gather()
         if why:
             return why
-        if step + 1 <= self.cfg.run.max_steps:  # in flight: step's weights land mid-sampling, sent by after_train
-            self._order(step + 1, refit_after=None if self.in_flight else step, in_flight=step if self.in_flight else None)
         gathered = self.buffer.pop(step) if self.driver else None
         self.ready.remove(step)
-        depth = len(self.ready) + (self.outstanding is not None)  # steps collected or sampling ahead of this one
         dropped = 0
         if self.driver:
             gathered, dropped = drop_stale(gathered, policy_version=step - 1, bound=self.bound,
                                            group_size=self.cfg.algo.generations_per_prompt)
+        topped = self._top_up(gathered, step) if self.topups else None
+        if topped:
+            gathered, ds = topped
+        if step + 1 <= self.cfg.run.max_steps:  # in flight: step's weights land mid-sampling, sent by after_train
+            self._order(step + 1, refit_after=None if self.in_flight else step, in_flight=step if self.in_flight else None)
+        depth = len(self.ready) + (self.outstanding is not None)  # steps collected or sampling ahead of this one
         batch = self.collector.batch_of(gathered)
         dropped = exchange.share(dropped, self.collector.routes.driver, self.collector.group)
         batch.info["async"] = {"buffer_depth": depth, "stale_dropped": dropped}
+        if topped:
+            batch.info.update(ds)
         batch.timing = {"wait_rows_s": self.wait_s, "refit_s": self.refit_s,
                         "generate_busy_s": gathered["generate_busy_s"] if self.driver else 0.0}
         return batch
@@ -105,6 +116,27 @@ class AsyncRollouts:
             self._gather()
 
     # ------------------------------------------------------------------------------ pieces
+    def _top_up(self, gathered, step: int):
+        """Dynamic sampling (rl/dynamic_sampling.py): the buffer's collection, its groups of
+        one reward dropped, topped up by fresh collections until it holds prompts_per_step
+        groups. Run before step + 1 is ordered: the generators hold the newest weights (the
+        refit of this step's gather has been sent) and have nothing queued, so a top-up is
+        sampled at once, by the current policy (age 0: within the bound). The trainer ranks
+        wait meanwhile (counted in wait_rows_s): the overlap is lost only on steps that need
+        a top-up. Returns (the collection on the driver, None elsewhere; the step's figures)."""
+        t0 = time.perf_counter()
+        outcome = None
+        if self.driver:
+            self.ctx.set_phase("wait_rows")
+            try:
+                gathered, stats = self.topups.fill(gathered, step)
+                outcome = ("ok", stats)
+            except DynamicSamplingError as e:
+                outcome = ("error", str(e))
+        stats = settle(self.collector, outcome)[1]
+        self.wait_s += time.perf_counter() - t0
+        return gathered, stats
+
     def _order(self, step: int, refit_after: Optional[int], in_flight: Optional[int] = None) -> None:
         records = None
         if self.driver:

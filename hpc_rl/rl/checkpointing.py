@@ -30,11 +30,35 @@ class Checkpointer:
         self.resumed_extra: dict = {}  # the extra state of the checkpoint resumed from (its rollout buffer)
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.checkpoint.every_steps == 0 or step == self.cfg.run.max_steps
+        """checkpoint.every_steps, the last step, and with keep_best every validation step: a
+        checkpoint the validation's metric can rank (ckpt/retention.py)."""
+        ck, d = self.cfg.checkpoint, self.cfg.data
+        every_val = d.validation.every_steps if ck.keep_best > 0 and d.eval_prompts_per_task > 0 else 0
+        return step % ck.every_steps == 0 or step == self.cfg.run.max_steps or bool(every_val and step % every_val == 0)
+
+    def retain(self) -> None:
+        from hpc_rl.ckpt import apply_retention
+
+        ck = self.cfg.checkpoint
+        apply_retention(self.root, ck.keep_last, ck.keep_every, keep_best=ck.keep_best, best_metric=ck.best_metric,
+                        best_mode=ck.best_mode)
+
+    def record_validation(self, step: int, record: Optional[dict]) -> None:
+        """The driver writes a validation's metrics beside the checkpoint of its step (if one
+        was saved: the start's step 0 has none, a save can be skipped for time), then applies
+        retention again: the save's own retention ran before the metric existed. On disk with
+        the checkpoint, the metric outlives a requeue."""
+        from hpc_rl.ckpt.retention import write_validation
+        from hpc_rl.observe.metrics import flatten
+
+        if not self.is_driver or record is None or self.cfg.checkpoint.keep_best <= 0 or step != self.last_saved:
+            return
+        if write_validation(self.root, step, flatten(record)[1]) is not None:
+            self.retain()
 
     def save(self, step: int, it: PromptIterator, more: Optional[dict] = None) -> None:
         """Every trainer rank calls it; the driver decides whether the save fits in time."""
-        from hpc_rl.ckpt import apply_retention, capture_rng_state, save_checkpoint
+        from hpc_rl.ckpt import capture_rng_state, save_checkpoint
 
         cfg, group = self.cfg, self.ctx.groups.role
         go = save_fits(RankEnv.from_env().job_end, time.time(), cfg.ft.save_margin_s, self.last_save_s) \
@@ -53,7 +77,7 @@ class Checkpointer:
                                                             ident.restart, f"save{step}"))
         self.last_save_s = time.time() - t0
         if self.is_driver:
-            apply_retention(self.root, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)
+            self.retain()
         self.last_saved = step
 
     def resume(self, it: PromptIterator) -> int:

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from hpc_rl.agentic.figures import finish_stats, merge_stats
+from hpc_rl.config.resources import REFERENCE
 from hpc_rl.data.dataset import PromptRecord
 from hpc_rl.engines.base import Sampling
 from hpc_rl.refit.vllm_engine import pad_rows
@@ -28,6 +29,9 @@ class Collector:
         self.ctx, self.routes, self.trainer, self.router, self.pad_id = ctx, routes, trainer, router, pad_id
         self.is_driver = ctx.ident.global_rank == routes.driver
         self.group = ctx.groups.role
+        # the teacher group that serves the reference model (algo.ref_kl_coef > 0): it scores every
+        # row of a training collection (config/resources.py teacher_groups)
+        self.ref_group = router.group_of(REFERENCE) if router is not None and REFERENCE in router.checkpoints else None
 
     def order(self, kind: str, step: int, records: List[PromptRecord], **fields) -> None:
         """Driver: each generator gets its strided share of `records` (one message each)."""
@@ -35,9 +39,14 @@ class Collector:
         for g, rank in enumerate(self.routes.generators):
             mine = exchange.strided(len(records), g, g_n)
             items = [(i, records[i], fields.get("seeds", {}).get(i, 0)) for i in mine]
+            # a training collection is scored by the reference model too (its rows train against it)
             exchange.send(Order(kind, step, items, fields.get("sampling"), fields.get("score_env", False),
-                                fields.get("score_teachers", False), fields.get("train", False),
-                                fields.get("refit_after"), fields.get("refit_in_flight")), rank)
+                                fields.get("score_teachers", False), self._score_reference(kind, fields.get("train", False)),
+                                fields.get("train", False), fields.get("refit_after"), fields.get("refit_in_flight")),
+                          rank)
+
+    def _score_reference(self, kind: str, train: bool) -> bool:
+        return kind == COLLECT and train and self.ref_group is not None
 
     def collect(self, records: Optional[List[PromptRecord]], sampling: Sampling, stream: int, step: int,
                 score_env: bool, score_teachers: bool, train: bool = False,
@@ -80,12 +89,12 @@ class Collector:
         self.ctx.set_phase("wait_scores")  # env ranks and teacher groups answer the driver
         scores = None
         if self.is_driver:
-            scores = siblings.expand_scores(*self._scores(n_items, score_env, score_teachers), sibling_of, sibling_index)
-        rewards, correct, teacher = exchange.share(scores, r.driver, self.group)
-        if rewards is not None:
-            batch.rewards, batch.correct = torch.tensor(rewards, dtype=torch.float32), correct
-        if teacher is not None:
-            batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in records])
+            rewards, correct, teacher, ref = self._scores(n_items, score_env, score_teachers,
+                                                          self._score_reference(COLLECT, train))
+            scores = siblings.expand_scores(rewards, correct, teacher, sibling_of, sibling_index) + \
+                (siblings.expand_scores(None, None, ref, sibling_of, sibling_index)[2],)
+        rewards, correct, teacher, ref = exchange.share(scores, r.driver, self.group)
+        self._set_scores(batch, rewards, correct, teacher, ref)
         # score_s: from the rows to the scores, the separate pass (logprobs_s, 0 when skipped) included
         batch.timing = {"generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen, "logprobs_s": logprobs_s}
         return batch
@@ -115,31 +124,42 @@ class Collector:
         scorer's answer) as plain data the rollout buffer keeps and a checkpoint saves."""
         rows, versions, gen_s, episodes, sibs = self.gather_rows(len(records))
         score_env, score_teachers = score_env and bool(self.routes.envs), score_teachers and bool(self.routes.teachers)
-        rewards, correct, teacher = self._scores(len(rows), score_env, score_teachers)
+        # the asynchronous rollouts gather training collections only: the reference scores them too
+        rewards, correct, teacher, ref = self._scores(len(rows), score_env, score_teachers,
+                                                      self._score_reference(COLLECT, True))
         return {"records": records, "rows": rows, "versions": versions, "rewards": rewards, "correct": correct,
-                "teacher": teacher, "generate_busy_s": max(gen_s) if gen_s else 0.0, "agentic": episodes,
-                "siblings": sibs}
+                "teacher": teacher, "reference": ref, "generate_busy_s": max(gen_s) if gen_s else 0.0,
+                "agentic": episodes, "siblings": sibs}
 
-    def batch_of(self, gathered) -> Batch:
+    def batch_of(self, gathered, trains_from: Optional[int] = None) -> Batch:
         """Every trainer rank: the Batch of a gathered collection (the driver's, shared in
-        the trainer group), with the student's log-probs."""
+        the trainer group), with the student's log-probs, unless the batch trains from the
+        weights of version `trains_from` and its training forward gives them (roles/old_logprobs.py)."""
         g = exchange.share(gathered, self.routes.driver, self.group)
         records, rows, sibling_of, index = siblings.expand(g["records"], g["rows"], g.get("siblings", []))
         rewards, correct, teacher = siblings.expand_scores(g["rewards"], g["correct"], g["teacher"], sibling_of, index)
+        ref = siblings.expand_scores(None, None, g.get("reference"), sibling_of, index)[2]
         batch = Batch(records, rows, pad_rows(rows, self.pad_id), g["versions"], sibling_of=sibling_of)
         if g.get("agentic"):
             batch.info["agentic"] = g["agentic"]
-        self.ctx.set_phase("logprobs")
-        batch.student_logprobs = self.trainer.student_logprobs(rows)
+        if trains_from is None or self.trainer.old_logprobs_reason(rows, trains_from) is not None:
+            self.ctx.set_phase("logprobs")
+            batch.student_logprobs = self.trainer.student_logprobs(rows)
+        self._set_scores(batch, rewards, correct, teacher, ref)
+        return batch
+
+    def _set_scores(self, batch: Batch, rewards, correct, teacher, ref) -> None:
         if rewards is not None:
             batch.rewards, batch.correct = torch.tensor(rewards, dtype=torch.float32), correct
         if teacher is not None:
-            batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in records])
-        return batch
+            batch.set_teacher_scores(teacher, [self.router.route(x.agent) for x in batch.records])
+        if ref is not None:
+            batch.set_reference_scores(ref)
 
-    def _scores(self, n: int, score_env: bool, score_teachers: bool):
-        """Driver: the env ranks' rewards and the teacher heads' log-probs, in route order."""
-        rewards = correct = teacher = None
+    def _scores(self, n: int, score_env: bool, score_teachers: bool, score_reference: bool = False):
+        """Driver: the env ranks' rewards, the teacher heads' log-probs (in route order) and the
+        reference model's for every row (its group answers (routed, all))."""
+        rewards = correct = teacher = ref = None
         if score_env:
             rewards, correct = [0.0] * n, [None] * n
             for e in self.routes.envs:
@@ -147,10 +167,17 @@ class Collector:
                     for i, reward, ok in exchange.recv(e):
                         rewards[i], correct[i] = reward, ok
         if score_teachers:
-            teacher: Dict[int, List[float]] = {}
-            for group in self.routes.teachers:
-                teacher.update(exchange.recv(self.routes.teacher_head(group)))
-        return rewards, correct, teacher
+            teacher = {}
+        for group in self.routes.teachers:
+            if score_reference and group == self.ref_group:
+                routed, ref = exchange.recv(self.routes.teacher_head(group))
+            elif score_teachers:
+                routed = exchange.recv(self.routes.teacher_head(group))
+            else:
+                continue
+            if score_teachers:
+                teacher.update(routed)
+        return rewards, correct, teacher, ref
 
     def teacher_accuracy(self, records: List[PromptRecord]) -> Dict[str, float]:
         """Driver only: each teacher group answers the eval prompts routed to it greedily;

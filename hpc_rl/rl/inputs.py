@@ -8,6 +8,8 @@
   A malformed row names its file and line (or is skipped and counted: data.skip_invalid); a
   row whose task has no verifier, or whose answer its verifier cannot read, is refused
   (envs/rows.py), whatever data.skip_invalid says: it is the data's contract, not one bad line.
+- the validation set (rl/heldout.py): data.validation.path, or a split of the prompts by
+  item; a validation row that is also a training row is refused, naming its line.
 - routing: every agent of the dataset must reach a teacher; under routing.strict an
   unmapped agent is an error naming it and the known aliases.
 
@@ -16,7 +18,6 @@ Everything wrong is reported at once as a ConfigError (exit 2): nothing is submi
 
 from __future__ import annotations
 
-import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,9 +26,11 @@ from typing import Dict, List, Optional, Tuple
 from hpc_rl.config.errors import ConfigError, Violation
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.data import tasks as task_gen
-from hpc_rl.data.dataset import DatasetError, PromptDataset, PromptRecord
+from hpc_rl.data.dataset import DatasetError, PromptDataset
 from hpc_rl.observe.loggers import missing_packages
 
+from . import heldout
+from .heldout import eval_records  # noqa: F401 (rl/loop.py and tests import it from here)
 TINY_PREFIX = "tiny:"
 TRAIN_FILE = "data/train.jsonl"
 
@@ -207,9 +210,9 @@ def generated_rows(cfg: RunConfig) -> List[dict]:
     return task_gen.mixed(cfg.data.samples_per_task, seed=cfg.run.seed, tasks=cfg.data.tasks)
 
 
-def load_dataset(cfg: RunConfig, run_dir: Optional[Path] = None) -> PromptDataset:
-    """The training prompts: data.path, else the generated file in the run directory (ranks),
-    else generated in memory (the launcher, before the run directory exists)."""
+def load_rows(cfg: RunConfig, run_dir: Optional[Path] = None) -> PromptDataset:
+    """Every row of the dataset: data.path, else the generated file in the run directory
+    (ranks), else generated in memory (the launcher, before the run directory exists)."""
     if cfg.data.path:
         return PromptDataset.from_jsonl(cfg.data.path, skip_invalid=cfg.data.skip_invalid)
     if run_dir is not None and (Path(run_dir) / TRAIN_FILE).exists():
@@ -219,17 +222,16 @@ def load_dataset(cfg: RunConfig, run_dir: Optional[Path] = None) -> PromptDatase
     return PromptDataset([parse_row(r, f"generated:{i + 1}") for i, r in enumerate(generated_rows(cfg))], path=None)
 
 
-def eval_records(dataset: PromptDataset, per_agent: int, seed: int) -> List[PromptRecord]:
-    """A fixed sample of `per_agent` prompts of every agent, the same at the start and the end."""
-    by_agent: Dict[str, List[PromptRecord]] = {}
-    for rec in dataset:
-        by_agent.setdefault(rec.agent, []).append(rec)
-    rng = random.Random(f"eval:{seed}")
-    out: List[PromptRecord] = []
-    for agent in sorted(by_agent):
-        rows = by_agent[agent]
-        out.extend(rng.sample(rows, min(per_agent, len(rows))))
-    return out
+def load_dataset(cfg: RunConfig, run_dir: Optional[Path] = None) -> PromptDataset:
+    """The training prompts: the dataset's rows less the items held out for validation
+    (rl/heldout.py), which the PromptIterator must never draw."""
+    return heldout.split(cfg, load_rows(cfg, run_dir))[0]
+
+
+def load_validation(cfg: RunConfig, run_dir: Optional[Path] = None) -> PromptDataset:
+    """The validation prompts (empty with validation off): data.validation.path, or the
+    items split off the training rows."""
+    return heldout.split(cfg, load_rows(cfg, run_dir))[1]
 
 
 def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
@@ -259,10 +261,21 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
             else:
                 # an inference-only teacher with tp > 1 runs sequence parallel (MegatronBackend)
                 _check_megatron_layout(out, f"teachers.{alias}", p, t, cfg.cluster, True, cfg.trainer.max_seq_len)
+    ref = cfg.reference
+    if cfg.algo.ref_kl_coef > 0 and ref.checkpoint:  # unset: the student's own (model.path, checked above)
+        p = _check_model(out, "reference.checkpoint", ref.checkpoint)
+        if p:
+            ref.checkpoint = p
+            _check_split(out, "reference.parallel.tp", p, ref.parallel.tp)
+            if fsdp2:
+                _check_nemotron_h(out, "reference", p, ref.parallel)
+            else:
+                _check_megatron_layout(out, "reference", p, ref, cfg.cluster, True, cfg.trainer.max_seq_len)
 
     dataset: Optional[PromptDataset] = None
+    validation = PromptDataset([], None)  # data.validation's rows (rl/heldout.py)
     try:
-        dataset = load_dataset(cfg)
+        dataset = load_rows(cfg)
     except DatasetError as e:
         out.append(Violation("data.path", cfg.data.path, str(e),
                              "fix that row, or set data.skip_invalid=true to skip malformed rows (they are counted)"))
@@ -276,13 +289,19 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
 
         for problem, fix in row_problems(dataset, dataset.path):
             out.append(Violation("data.path" if cfg.data.path else "data.tasks", cfg.data.path or cfg.data.tasks, problem, fix))
+        found, validation = heldout.problems(cfg, dataset)
+        out += found
+        if cfg.data.validation.path:  # the validation file's rows keep the same contract
+            out += [Violation("data.validation.path", cfg.data.validation.path, problem, fix)
+                    for problem, fix in row_problems(validation, validation.path)]
 
     if dataset is not None and cfg.algo.name == "mopd" and cfg.teachers:
         from hpc_rl.algo.routing import RoutingError, TeacherRouter
 
         try:
             router = TeacherRouter.from_config(cfg)
-            for agent, n in sorted(Counter(r.agent for r in dataset).items()):
+            # validation rows are scored against their teacher too (reverse KL)
+            for agent, n in sorted(Counter(r.agent for r in [*dataset, *validation]).items()):
                 try:
                     router.route(agent)
                 except RoutingError as e:

@@ -43,8 +43,9 @@ from hpc_rl.messaging.messages import END, REFIT, STOP
 from .async_rollout import AsyncRollouts
 from .checkpointing import Checkpointer
 from .collect import Collector
+from .dynamic_sampling import step_batch
 from .eval import evaluate
-from .inputs import eval_records, load_dataset
+from .inputs import eval_records, load_dataset, load_validation
 from .records import MetricsLog, Progress, RolloutStore, summarize, update_summary
 from .roles_setup import announce_end, domains_for_refit, pad_id_of, serve_role
 from hpc_rl.messaging.routes import Routes
@@ -63,7 +64,7 @@ class RLLoop:
 
     def setup(self) -> None:
         t0 = time.perf_counter()
-        router = TeacherRouter.from_config(self.cfg) if self.cfg.teachers else None
+        router = TeacherRouter.from_config(self.cfg) if self.routes.teachers else None
         self.trainer = TrainerRole(self.ctx, self.routes, pad_id_of(self.cfg.model.path))
         self.trainer.join_refit(domains_for_refit(self.ctx, self.routes))
         self.collector = Collector(self.ctx, self.routes, self.trainer, router, self.trainer.pad_id)
@@ -91,7 +92,7 @@ class RLLoop:
         if self.driver and dataset.skipped:
             self.log.warning("%d malformed dataset rows skipped (data.skip_invalid): lines %s", dataset.skipped,
                              dataset.skipped_lines[:20])
-        evals = eval_records(dataset, cfg.data.eval_prompts_per_task, cfg.run.seed) if cfg.data.eval_prompts_per_task else []
+        evals = self.validation_prompts(run_dir)  # held out: never drawn by `it` (rl/heldout.py)
         if evals and done == 0:
             self.evaluate("start", evals, 0, progress, metrics)
 
@@ -104,14 +105,8 @@ class RLLoop:
             maybe_inject(cfg.ft.inject_failure, ident.role, ident.role_rank, ident.restart, step)
             t0 = time.perf_counter()
             self.phase(progress, step, "wait_rows")
-            if self.pipeline:  # the batch was sampled while the previous step trained
-                batch = self.pipeline.next_batch(step, why)
-            else:
-                # no prompts are drawn for a step that stops: the saved iterator must not skip them
-                records = [r for r in next(it) for _ in range(cfg.algo.generations_per_prompt)] \
-                    if self.driver and not why else None
-                batch = self.collector.collect(records, self.sampling, TRAIN_STREAM, step, score_env=True,
-                                               score_teachers=self.distill, train=True, stop=why)
+            # async rollouts' buffer, dynamic sampling's collections, or one collection (rl/dynamic_sampling.py)
+            batch = step_batch(self.pipeline, self.collector, it, self.sampling, TRAIN_STREAM, step, why, self.distill)
             if isinstance(batch, str):  # the driver's reason, shared with the rows' header
                 if metrics:
                     metrics.close()
@@ -144,6 +139,7 @@ class RLLoop:
                               step_s=time.perf_counter() - t0)
                 rec = record_step(step, batch, train, timing, metrics, store)
                 self.log.info("step %d/%d: %s", step, cfg.run.max_steps, brief(rec))
+            self.validate_between(step, evals, progress, metrics)  # data.validation.every_steps
 
         if evals:
             if self.pipeline:  # the engines hold the weights of the step before the last
@@ -172,13 +168,38 @@ class RLLoop:
             more = {"rollout_buffer": self.pipeline.state_dict()}
         self.ckpt.save(step, it, more)
 
+    def validation_prompts(self, run_dir) -> list:
+        """The fixed validation prompts of every validation of this run (empty: off)."""
+        d = self.cfg.data
+        if not d.eval_prompts_per_task:
+            return []
+        validation = load_validation(self.cfg, run_dir)
+        evals = eval_records(validation, d.eval_prompts_per_task, self.cfg.run.seed)
+        if self.driver:
+            agents = sorted({r.agent for r in evals})
+            short = {a: n for a in agents if (n := sum(r.agent == a for r in evals)) < d.eval_prompts_per_task}
+            self.log.info("validation: %d held-out prompts (%s)%s", len(evals), d.validation.path or
+                          f"{d.validation.split:.0%} of the training items", f"; fewer than data.eval_prompts_per_task="
+                          f"{d.eval_prompts_per_task} for {short} (all the set has)" if short else "")
+        return evals
+
+    def validate_between(self, step: int, evals, progress, metrics) -> None:
+        """A validation after this step's record, every data.validation.every_steps (the last
+        step's is the end validation). Refused with async rollouts (config/validate_data.py):
+        the engines' weights and the pipeline's outstanding order belong to other steps."""
+        every = self.cfg.data.validation.every_steps
+        if evals and every and step % every == 0 and step < self.cfg.run.max_steps and not self.pipeline:
+            self.evaluate("step", evals, step, progress, metrics)
+
     def evaluate(self, tag: str, evals, step: int, progress, metrics: MetricsLog) -> None:
         self.ctx.set_phase("eval", None)  # not a training step's time
         if progress:
             progress.update(max(step, 1), f"eval {tag}")
-        rec = evaluate(self.collector, tag, evals, step, self.sampling, self.distill)
+        v = self.cfg.data.validation
+        rec = evaluate(self.collector, tag, evals, step, self.sampling, self.distill, v.k, v.temperature)
         if rec is not None:
             metrics.append(rec)
+        self.ckpt.record_validation(step, rec)  # keep-best reads it beside the step's checkpoint
 
     def phase(self, progress, step: int, phase: str) -> None:
         self.ctx.set_phase(phase, step)

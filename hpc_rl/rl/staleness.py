@@ -44,9 +44,9 @@ def drop_stale(gathered: Dict[str, Any], policy_version: int, bound: int, group_
     for key in ("rewards", "correct"):
         if gathered.get(key) is not None:
             out[key] = [gathered[key][i] for i in keep]
-    if gathered.get("teacher") is not None:  # keyed by item, or (item, k) for a sibling sample (rl/siblings.py)
-        out["teacher"] = {renumber(k, new_index): lps for k, lps in gathered["teacher"].items()
-                          if renumber(k, new_index) is not None}
+    for key in ("teacher", "reference"):  # keyed by item, or (item, k) for a sibling sample (rl/siblings.py)
+        if gathered.get(key) is not None:
+            out[key] = {renumber(k, new_index): lps for k, lps in gathered[key].items() if renumber(k, new_index) is not None}
     if gathered.get("siblings"):
         out["siblings"] = keep_items(gathered["siblings"], new_index)
     return out, len(rows) - len(keep)

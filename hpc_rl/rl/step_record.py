@@ -105,6 +105,8 @@ def brief(rec: Dict[str, Any]) -> str:
         parts.append(f"KL {rec['reverse_kl'].get('mean', float('nan')):.3f}")
     if "reward_mean" in rec:
         parts.append(f"reward {rec['reward_mean']:.3f}")
+    if "ref_kl" in rec:  # algo.ref_kl_coef: the batch's KL to the reference model (roles/loss_terms.py)
+        parts.append(f"ref KL {rec['ref_kl']:.4f}")
     if "token_mult_prob_error" in rec:  # same weights on both sides: the engine-vs-trainer mismatch
         parts.append(f"mult_prob_err {rec['token_mult_prob_error']:.4f}")
     if "policy_change_mult_prob_error" in rec:  # older weights vs the trainer's: includes the policy's change
@@ -114,6 +116,10 @@ def brief(rec: Dict[str, Any]) -> str:
         parts.append(f"NON-FINITE loss or gradients: {rec['nonfinite_skipped']} of {rec['optimizer_steps']} optimizer "
                      f"steps skipped ({rec['nonfinite_skipped_total']} in the run)")
     t = rec["timing"]
+    if "dynamic_sampling/collections" in rec:  # rl/dynamic_sampling.py: how hard the step was to fill
+        parts.append(f"{rec['dynamic_sampling/collections']} collections, "
+                     f"{rec['dynamic_sampling/groups_dropped']} of {rec['dynamic_sampling/groups_sampled']} groups "
+                     f"of one reward dropped")
     if "async" in rec:  # the pipeline: what was ahead, what was dropped, who waited
         a = rec["async"]
         parts.append(f"buffer {a['buffer_depth']}, stale dropped {a['stale_dropped']}, ages {rec['versions']['age']}, "

@@ -8,6 +8,7 @@ import time
 from typing import Any, Dict, List
 
 from hpc_rl.algo.routing import TeacherRouter
+from hpc_rl.config.resources import REFERENCE
 from hpc_rl.engines.base import EngineSpec, InferenceEngine
 from hpc_rl.engines.registry import build_engine, build_follower
 from hpc_rl.engines.spanning import dead_worker_report, publish_master, read_master, report_dead_worker, seat_of
@@ -36,7 +37,7 @@ class GeneratorRole:
         self.ctx, self.cfg, self.routes, self.log = ctx, cfg, routes, ctx.log
         self.seat = seat_of(ctx.ident.role_rank, routes.engine_tasks)
         self.index = self.seat.engine  # the engine's index: routes.generators lists engine leaders
-        self.router = TeacherRouter.from_config(cfg) if cfg.teachers else None
+        self.router = TeacherRouter.from_config(cfg) if routes.teachers else None
         g = cfg.generator
         span = EngineSpan()
         if self.seat.tasks > 1:
@@ -182,11 +183,16 @@ class GeneratorRole:
         if env is not None and not multi_turn:
             exchange.send(Work(order.kind, order.kind == COLLECT and order.score_env, order.step, order.train, items), env)
         wanted_t = order.kind == TEACHER_EVAL or (order.kind == COLLECT and order.score_teachers)
+        wanted_ref = order.kind == COLLECT and order.score_reference
         scored = items + siblings  # a sibling is scored like any row, under its (index, k) key
-        by_group = self.router.split_by_group([rec.agent for _, rec, _ in scored]) if self.routes.teachers else {}
+        # routed only when the teachers score (a run whose one group is the reference routes no agent)
+        by_group = self.router.split_by_group([rec.agent for _, rec, _ in scored]) if wanted_t and self.routes.teachers else {}
         for group in self.routes.teachers:  # every head hears from every generator, even with nothing routed
-            mine = [scored[k] for k in by_group.get(group, [])]
-            exchange.send(Work(order.kind, wanted_t, order.step, order.train, mine), self.routes.teacher_head(group))
+            # the reference model's group scores every row (and, a teacher too, answers its routed ones)
+            ref = wanted_ref and self.router.group_of(REFERENCE) == group
+            mine = scored if ref else [scored[k] for k in by_group.get(group, [])]
+            exchange.send(Work(order.kind, wanted_t or ref, order.step, order.train, mine, reference=ref),
+                          self.routes.teacher_head(group))
         if not self.in_flight["landed"]:  # sampling ended first: the trainer sends it after its train step
             self._refit(order.refit_in_flight)
         if order.kind == COLLECT:

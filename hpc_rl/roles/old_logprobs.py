@@ -20,7 +20,9 @@ serves. The separate pass runs when:
   - algo.mismatch.seq_logprob_error_threshold with several micro-batches on a rank: the masked
     sequences change the loss's denominator, needed before the first micro-batch;
   - a backend whose loss function does not see every row's log-probs (megatron: only its last
-    pipeline stage does).
+    pipeline stage does);
+  - the reference KL in the reward (algo.ref_kl.apply_to=reward): the penalty changes the
+    rewards, so the advantages, before the first micro-batch.
 So GRPO (any loss kind) and MOPD with baseline=none take the training forward.
 """
 
@@ -51,6 +53,8 @@ def separate_pass_reason(cfg, rows: Sequence, version: Optional[int], dp_size: i
         return f"samples generated under other weights than the trainer's (version {version})"
     if a.name == "mopd" and a.opd.baseline != "none":
         return f"algo.opd.baseline={a.opd.baseline}: the batch mean needs every token first"
+    if a.ref_kl_coef > 0 and a.ref_kl.apply_to == "reward":
+        return "algo.ref_kl.apply_to=reward: the KL penalty enters the rewards before the advantages"
     per_rank = -(-n // max(dp_size, 1))
     if a.mismatch.seq_logprob_error_threshold is not None and per_rank > tr.micro_batch_size:
         return "algo.mismatch.seq_logprob_error_threshold with several micro-batches: the loss's denominator first"

@@ -9,7 +9,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from hpc_rl.algo.routing import TeacherRouter
+from hpc_rl.algo.routing import RoutingError, TeacherRouter
+from hpc_rl.config.resources import group_config
 from hpc_rl.envs.registry import score
 from hpc_rl.models.assets import chat_prompt
 from hpc_rl.models.backend import BackendSpec, parallel_sizes
@@ -28,14 +29,17 @@ class TeacherRole:
         self.head = routes.teacher_head(group)
         self.is_head = ctx.ident.global_rank == self.head
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        t = cfg.teachers[group]
+        # a teacher's section, or the reference model's (config/resources.py teacher_groups)
+        t = group_config(cfg, group)
         self.max_tokens = cfg.generator.sampling.max_tokens
         # inference only, with the teacher's own parallel sizes (every rank scores all rows)
-        self.backend = build_backend(cfg.trainer.backend, BackendSpec(t.checkpoint, t.precision, ctx.device,
+        checkpoint = t.checkpoint or cfg.model.path  # the reference model's default: the student's start
+        precision = t.precision or cfg.trainer.precision  # the reference's default: the student's
+        self.backend = build_backend(cfg.trainer.backend, BackendSpec(checkpoint, precision, ctx.device,
                                                                       ctx.groups.role, parallel=parallel_sizes(t.parallel)))
-        router = TeacherRouter.from_config(cfg)
+        self.router = router = TeacherRouter.from_config(cfg)
         ctx.log.info("teacher group %s (aliases %s) loaded from %s (%s backend)", group,
-                     [a for a in cfg.teachers if router.group_of(a) == group], t.checkpoint, cfg.trainer.backend)
+                     [a for a in router.checkpoints if router.group_of(a) == group], checkpoint, cfg.trainer.backend)
 
     def serve(self) -> Dict[str, Any]:
         done: Dict[str, Any] = {"role": f"teacher/{self.group}", "rank": self.ctx.ident.role_rank, "rounds": 0,
@@ -46,7 +50,8 @@ class TeacherRole:
             if self.is_head:
                 parts: List[Work] = [exchange.recv(g) for g in self.routes.generators]
                 first = parts[0]
-                work = Work(first.kind, first.wanted, first.step, first.train, [it for p in parts for it in p.items])
+                work = Work(first.kind, first.wanted, first.step, first.train, [it for p in parts for it in p.items],
+                            reference=first.reference)
             work = exchange.share(work, self.head, self.ctx.groups.role)
             done["rounds"] += 1
             busy = "eval" if work.kind == TEACHER_EVAL or not work.train else "score"
@@ -63,9 +68,19 @@ class TeacherRole:
             if not work.wanted:
                 continue
             out = self.accuracy(work.items) if work.kind == TEACHER_EVAL else self.score(work.items)
+            if work.reference:  # every row for the reference, and the ones routed to this group as a teacher
+                out = ({k: out[k] for k, rec, _ in work.items if self._routed_here(rec.agent)}, out)
             if self.is_head:
                 self.ctx.set_phase("wait_send")  # the send returns once the driver takes it
                 exchange.send(out, self.routes.driver)
+
+    def _routed_here(self, agent: str) -> bool:
+        """Whether this group scores `agent`'s samples as a teacher (a group serving only the
+        reference model routes none; an agent no teacher takes is no error here)."""
+        try:
+            return self.router.group_of(self.router.route(agent)) == self.group
+        except RoutingError:
+            return False
 
     def score(self, items) -> Dict[int, List[float]]:
         """Log-probs of the sampled tokens under this teacher, by sample index."""

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_rl.algo import (grpo_advantages, importance_weights, masked_mean, opd_advantages, per_token, policy_loss,
-                         sequence_keep_mask)
+from hpc_rl.algo import (aggregate, denominator, grpo_advantages, importance_weights, masked_mean, opd_advantages,
+                         per_token, policy_loss_tokens, sequence_keep_mask)
 from hpc_rl.models.backend import BackendSpec, TrainingBackend, parallel_sizes
 from hpc_rl.models.registry import build_backend
+from hpc_rl.roles import loss_terms
 from hpc_rl.roles.old_logprobs import SEPARATE_PASS, TRAINING_FORWARD, ForwardLogprobs, separate_pass_reason
 from hpc_rl.precision import vllm_dtype
 from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
@@ -128,14 +129,20 @@ class TrainerRole:
         return out
 
     # ------------------------------------------------------------------------------ train
-    def advantages(self, b: Batch) -> torch.Tensor:
+    def advantages(self, b: Batch, metrics: Optional[Dict[str, float]] = None) -> torch.Tensor:
+        """[B, T] advantages; the reward shaping's figures go into `metrics` when given."""
         mask = b.rollouts.response_mask
         if self.cfg.algo.name == "mopd":
             o = self.cfg.algo.opd
             return opd_advantages(b.teacher_logprobs, b.student_logprobs, mask, o.adv_clip, o.baseline)
         g = self.cfg.algo.grpo
-        # groups are the collection's items; a sibling sample takes its episode's advantage
-        adv = grpo_advantages(b.rewards[:b.items], self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std)
+        # groups are the collection's items; a sibling sample takes its episode's advantage.
+        # The rewards after DAPO's overlong shaping and a reference KL in the reward (loss_terms.py).
+        rewards, shaping = loss_terms.shaped_rewards(self.cfg, b)
+        if metrics is not None:
+            metrics.update(shaping)
+        adv = grpo_advantages(rewards, self.cfg.algo.generations_per_prompt, g.leave_one_out, g.normalize_std,
+                              clip=(g.adv_clip_low, g.adv_clip_high))
         if b.sibling_of:
             adv = torch.cat([adv, adv[torch.tensor(b.sibling_of)]])
         return per_token(adv, mask)
@@ -165,25 +172,28 @@ class TrainerRole:
                 b.student_logprobs = self.student_logprobs(b.rows)
                 logprobs_s = time.perf_counter() - t0
         fwd = ForwardLogprobs() if path == TRAINING_FORWARD else None
+        # DAPO's overlong filtering: samples cut at max_tokens train nothing (their rewards count)
+        loss_mask, filtered = loss_terms.trained_tokens(self.cfg, b, mask)
+        shaping: Dict[str, float] = {}  # the reward shaping's figures (loss_terms.shaped_rewards)
         if fwd is None:
-            adv = b.advantages = self.advantages(b)
+            adv = b.advantages = self.advantages(b, shaping)
             weights = importance_weights(b.student_logprobs, r.generation_logprobs, mask, mm.kind, mm.min, mm.max)
             keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
-            train_mask = mask & keep_seq[:, None]
+            train_mask = loss_mask & keep_seq[:, None]
         else:  # GRPO's advantages need no log-probs; MOPD's come per micro-batch (baseline none)
-            adv = self.advantages(b) if a.name != "mopd" else None
-            train_mask = mask
+            adv = self.advantages(b, shaping) if a.name != "mopd" else None
+            train_mask = loss_mask
         n, dp = len(b.rows), self.backend.dp_size
         metrics: List[Dict[str, float]] = []
         for start in range(0, n, tr.global_batch_size):
             idx = torch.tensor(list(range(start, min(start + tr.global_batch_size, n)))[self.backend.dp_rank::dp])
-            # the rank's share's tokens: the loss's denominator (with the threshold the shortcut
-            # runs one micro-batch per rank, which computes its own: None)
-            tokens = max(int(train_mask[idx].sum()), 1)
+            # the rank's share's tokens or sequences: the loss's denominator (aggregation.py; with the
+            # threshold the shortcut runs one micro-batch per rank, which computes its own: None)
+            denom = denominator(train_mask[idx], a.loss.aggregation)
             if fwd is not None and mm.seq_logprob_error_threshold is not None:
-                tokens = None
+                denom = None
 
-            def loss_fn(lp, rows, idx=idx, tokens=tokens):
+            def loss_fn(lp, rows, idx=idx, denom=denom):
                 i = idx[rows]
                 if fwd is None:
                     old, adv_i, w_i, tm_i = b.student_logprobs[i], adv[i], weights[i], train_mask[i]
@@ -193,12 +203,15 @@ class TrainerRole:
                     adv_i = adv[i] if adv is not None else opd_advantages(
                         b.teacher_logprobs[i], old, mask[i], a.opd.adv_clip, a.opd.baseline)
                     w_i = importance_weights(old, gen, mask[i], mm.kind, mm.min, mm.max)
-                    tm_i = mask[i] & sequence_keep_mask(old, gen, mask[i], mm.seq_logprob_error_threshold)[:, None]
-                mine = max(int(tm_i.sum()), 1)
-                loss, m = policy_loss(lp, old, adv_i, tm_i, kind=a.loss.kind, clip_low=a.loss.ratio_clip_low,
-                                      clip_high=a.loss.ratio_clip_high, weights=w_i)
-                # policy_loss averages over the micro-batch's tokens; rescale to the share's
-                return loss * (mine / (tokens or mine)), m
+                    tm_i = loss_mask[i] & sequence_keep_mask(old, gen, mask[i], mm.seq_logprob_error_threshold)[:, None]
+                loss_t, m = policy_loss_tokens(lp, old, adv_i, tm_i, kind=a.loss.kind, clip_low=a.loss.ratio_clip_low,
+                                               clip_high=a.loss.ratio_clip_high, weights=w_i,
+                                               ratio_level=a.loss.ratio_level)
+                kl_t, kl_m = loss_terms.kl_loss_term(self.cfg, lp, b, i, tm_i)
+                if kl_t is not None:
+                    loss_t = loss_t + kl_t
+                # the micro-batch's part of the share's loss: its numerator over the share's denominator
+                return aggregate(loss_t, tm_i, a.loss.aggregation, denom), dict(m, **kl_m)
 
             metrics.append(self.backend.train_step(r.input_ids[idx], r.attention_mask[idx], loss_fn,
                                                    micro_batch_size=tr.micro_batch_size))
@@ -218,6 +231,7 @@ class TrainerRole:
             dist.all_reduce(v, group=self.ctx.groups.role)
             out = {k: float(x) / ranks for k, x in zip(keys, v)}
         out["advantage_mean"] = float(masked_mean(adv, mask))
+        out.update(shaping, **filtered, **loss_terms.ref_kl_metric(self.cfg, b, train_mask))
         out["seqs_masked_by_mismatch"] = int((~keep_seq).sum())
         out["optimizer_steps"] = len(metrics)
         out["nonfinite_skipped"], out["nonfinite_skipped_total"] = skipped, skipped_total
