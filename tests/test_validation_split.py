@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +14,8 @@ from hpc_rl.data.dataset import PromptDataset, PromptIterator, PromptRecord
 from hpc_rl.data.tasks import mixed, write_jsonl
 from hpc_rl.data.validation import content_key, distinct_items, item_groups, split_by_item
 from hpc_rl.launch import main
-from hpc_rl.models.assets import ModelSpec, save_untrained
 from hpc_rl.rl.inputs import check_inputs, eval_records, load_dataset, load_rows, load_validation, write_generated
-
-SPEC = ModelSpec(hidden=32, intermediate=64, layers=1, heads=1, max_positions=64)
+from test_rl_inputs import _overrides, model_dir  # noqa: F401 (model_dir: a fixture)
 
 
 @pytest.mark.parametrize("recipe", ["tiny_mopd", "tiny_grpo"])
@@ -84,17 +81,9 @@ def test_validation_off_holds_nothing_out_and_a_small_set_is_used_as_it_is(tmp_p
     assert 0 < len(evals) == len(distinct_items(val.records)) < 100  # fewer than asked: all there is
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_untrained(tmp_path_factory.mktemp("ckpt") / "m", SPEC)
 
 
-def _overrides(model_dir: Path, tmp_path: Path, *extra: str) -> list:
-    return ["+recipe=tiny_mopd", f"model.path={model_dir}", f"teachers.add.checkpoint={model_dir}",
-            f"teachers.mul.checkpoint={model_dir}", f"run.dir={tmp_path / 'run'}", *extra]
-
-
-def test_a_planted_overlap_is_refused_naming_the_key_the_lines_and_the_fix(model_dir, tmp_path, capsys):
+def test_a_planted_overlap_is_refused_naming_the_key_the_lines_and_the_fix(model_dir, tmp_path, capsys):  # noqa: F811
     tasks = ("addition_1digit", "multiplication_1digit")
     train = write_jsonl(tmp_path / "train.jsonl", mixed(20, seed=0, tasks=tasks))
     train_rows = [json.loads(x) for x in train.read_text().splitlines()]
