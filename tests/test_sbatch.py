@@ -129,7 +129,7 @@ def test_hand_submitted_script_refuses_a_config_it_cannot_run_before_any_srun(tm
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "nothing was submitted" in out
-    assert "env.precision = fp32" in out and "model.path = None" in out  # support rules and input checks
+    assert "env.precision = 'fp32'" in out and "model.path = None" in out  # support rules and input checks
     assert calls == [], calls  # neither srun nor any other Slurm command was reached
     assert not (run_dir / "plan.json").exists()
 
