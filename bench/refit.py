@@ -65,7 +65,7 @@ def trainer_proc(rank: int, ckpt: str, fsdp_port: int, refit_port: int, setup_wi
 
     from hpc_rl.models.fsdp2 import FSDP2Backend
     from hpc_rl.refit.session import RefitEndpoint, RefitSetup
-    from hpc_rl.refit.transport import make_transport
+    from hpc_rl.refit.transports import make_transport
 
     torch.set_num_threads(1)
     fsdp_store = dist.TCPStore("127.0.0.1", fsdp_port, is_master=(rank == 0), timeout=timedelta(seconds=300),

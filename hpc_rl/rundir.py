@@ -380,7 +380,7 @@ class RunDir:
     def create(cls, cfg: "RunConfig", plan: "JobPlan") -> "RunDir":
         """Make the directory (run.dir_mode, also when it exists) and write config.yaml and
         plan.json into it."""
-        from hpc_rl.config.compose import to_yaml
+        from hpc_rl.config.convert import to_yaml
 
         rd = cls(cls.choose(cfg).resolve())
         mode = cls.mode(cfg)

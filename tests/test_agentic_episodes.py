@@ -14,8 +14,8 @@ import torch
 from test_agentic_common import ChatterEnv, Recorder, check_token_exact, hf_logprobs, run
 
 from hpc_rl.agentic.calculator import CalculatorEnv, CalculatorError, calculate
-from hpc_rl.agentic.contract import (Limits, SingleTurnEpisode, StepwiseEpisode, build_environment,
-                                     known_environments, register_environment)
+from hpc_rl.agentic.contract import Limits, SingleTurnEpisode, StepwiseEpisode
+from hpc_rl.agentic.environments import build_environment, known_environments, register_environment
 from hpc_rl.agentic.local import HFPolicy
 from hpc_rl.agentic.runner import run_episode, run_episodes
 from hpc_rl.data.tasks import GENERATORS, calculator

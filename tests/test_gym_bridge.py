@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def bridge(env_interpreters_ready):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc_rl.agentic.contract import build_environment
+    from hpc_rl.agentic.environments import build_environment
     from hpc_rl.agentic.gym_bridge import GymEpisode
     from hpc_rl.config import load_config
     from hpc_rl.rl.inputs import resolve_model_ref

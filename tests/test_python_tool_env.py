@@ -18,7 +18,8 @@ import uuid
 import pytest
 from test_sandbox import _plant, _sleeping_tool, _until
 
-from hpc_rl.agentic.contract import Limits, build_environment
+from hpc_rl.agentic.contract import Limits
+from hpc_rl.agentic.environments import build_environment
 from hpc_rl.agentic.figures import finish_stats
 from hpc_rl.agentic.python_tool import PythonToolEpisode, sandbox_tag
 from hpc_rl.agentic.runner import run_episodes

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from hpc_rl.refit.execute import Holdings, RefitWalk
 from hpc_rl.refit.layout import Layout, Piece, expert_parallel, merge, tensor_parallel
 from hpc_rl.refit.planner import plan_refit
-from hpc_rl.refit.transport import RefitError, TorchP2P, make_transport
+from hpc_rl.refit.transport import RefitError, TorchP2P
+from hpc_rl.refit.transports import make_transport
 
 SPECS = {
     "model.embed_tokens.weight": ((64, 16), "float32"),

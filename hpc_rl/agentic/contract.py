@@ -19,7 +19,7 @@ import hashlib
 import inspect
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Awaitable, Callable, List, Optional, Protocol, Tuple
 
 from hpc_rl.envs.reward_check import checked_reward
 
@@ -165,81 +165,9 @@ class ScoringFailed(RuntimeError):
         self.error_kind = kind
 
 
-_ENVIRONMENTS: Dict[str, Callable[..., Episode]] = {}
-
-
-def register_environment(name: str, factory: Callable[..., Episode]) -> None:
-    """`factory(**cfg) -> Episode`. Re-registering a name with another factory is refused, so
-    two environments cannot take one config name silently."""
-    if name in _ENVIRONMENTS and _ENVIRONMENTS[name] is not factory:
-        raise ValueError(f"environment {name!r} is already registered ({_ENVIRONMENTS[name]!r})")
-    _ENVIRONMENTS[name] = factory
-
-
-def known_environments() -> List[str]:
-    return sorted(_ENVIRONMENTS)
-
-
-def environment_factory(name: str) -> Callable[..., Episode]:
-    """A registered name, or `package.module:factory`: a user's environment importable on the
-    env ranks (their PYTHONPATH or an installed package), no registration needed. KeyError
-    names what is missing."""
-    if name in _ENVIRONMENTS:
-        return _ENVIRONMENTS[name]
-    module, sep, attr = name.partition(":")
-    if not sep:
-        raise KeyError(f"no agentic environment {name!r}; known: {', '.join(known_environments())}, "
-                       f"or a 'package.module:factory' the env ranks can import")
-    import importlib
-
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise KeyError(f"agentic environment {name!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
-    if not callable(factory):
-        raise KeyError(f"agentic environment {name!r}: {attr} is not callable (a factory returning an Episode)")
-    return factory
-
-
 def stable_index(task: dict, n: int) -> int:
     """Which of an adapted library's `n` tasks an item plays: a stable function of the item's
     id (its prompt without one), so a GRPO group (one id) plays one task and a resumed step
     plays the same ones."""
     key = str(task.get("id") if task.get("id") is not None else task.get("prompt"))
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % n
-
-
-def build_environment(name: str, **cfg) -> Episode:
-    """The Episode a config names (`env.agentic.environment`), built with the config's keys."""
-    return environment_factory(name)(**cfg)
-
-
-def _calculator(**cfg) -> Episode:
-    from .calculator import CalculatorEnv
-
-    return StepwiseEpisode(lambda: CalculatorEnv(**cfg))
-
-
-def _python_tool(**cfg) -> Episode:
-    from .python_tool import PythonToolEpisode
-
-    return PythonToolEpisode(**cfg)
-
-
-def _verifiers(**cfg) -> Episode:
-    from .verifiers_bridge import VerifiersEpisode
-
-    return VerifiersEpisode(**cfg)
-
-
-def _gym(**cfg) -> Episode:
-    from .gym_bridge import GymEpisode
-
-    return GymEpisode(**cfg)
-
-
-register_environment("single_turn", lambda **cfg: SingleTurnEpisode(**cfg))
-register_environment("verifiers", _verifiers)
-register_environment("gym", _gym)
-register_environment("calculator", _calculator)
-register_environment("python_tool", _python_tool)

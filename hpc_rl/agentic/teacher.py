@@ -58,7 +58,7 @@ def encode_transcript(tok, task: dict) -> Tuple[List[int], List[int]]:
 
 
 def _batch(tok, samples) -> Dict[str, torch.Tensor]:
-    from hpc_rl.models.assets import _batch as padded
+    from hpc_rl.models.asset_models import _batch as padded
 
     return padded(tok, samples, encode_transcript)
 
@@ -66,7 +66,7 @@ def _batch(tok, samples) -> Dict[str, torch.Tensor]:
 def train_teacher(model, tok, spec, log: Callable[[str], None] = print) -> float:
     """SFT on freshly drawn calculator transcripts (the training seeds never reach the
     evaluation's: seed*100003+step against 10_000+)."""
-    from hpc_rl.models.assets import train_steps
+    from hpc_rl.models.asset_models import train_steps
 
     return train_steps(model, lambda step: _batch(tok, task_gen.calculator(spec.batch, seed=spec.seed * 100003 + step)),
                        spec.steps, spec.lr, log)
@@ -85,23 +85,20 @@ def episode_accuracy(model, tok, n: int, seed: int = 10_000, limits: Limits = EV
                               "changed_policy_tokens", "siblings")}
 
 
-def student_baseline(n: int = 64) -> dict:
-    """The tiny student (`tiny:student`, which never saw the tool) on the same held-out
-    episodes: what an agentic recipe starts from."""
+def student_baseline(path: str, n: int = 64) -> dict:
+    """The tiny student (`tiny:student` at `path`, which never saw the tool) on the same
+    held-out episodes: what an agentic recipe starts from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc_rl.rl.inputs import resolve_model_ref
-
-    path = resolve_model_ref("tiny:student")
     return {"model": "tiny:student", **episode_accuracy(AutoModelForCausalLM.from_pretrained(path).eval(),
                                                         AutoTokenizer.from_pretrained(path), n)}
 
 
 def build_agentic_assets(spec, root: Optional[Path] = None, log: Callable[[str], None] = print):
-    """Find the cached calculator teacher (and students) for `spec` (models/assets.py
+    """Find the cached calculator teacher (and students) for `spec` (models/asset_models.py
     AgenticAssetSpec) or build them; a teacher below `spec.min_accuracy` fails the build."""
     from hpc_rl.models.asset_cache import cached_build
-    from hpc_rl.models.assets import ASSET_VERSION, new_model
+    from hpc_rl.models.asset_models import ASSET_VERSION, new_model
     from hpc_rl.models.tokenizer import build_tokenizer
 
     def build(tmp: Path) -> dict:

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .convert import to_typed
+from .convert import to_typed, to_yaml  # noqa: F401 (hpc_rl.config exports to_yaml from here)
 from .errors import ConfigError, Violation
 from .schema import RunConfig
 from .validate import validate
@@ -120,7 +120,3 @@ def load_config(overrides: Sequence[str]) -> RunConfig:
     if violations:
         raise ConfigError(violations)
     return cfg
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))

@@ -118,3 +118,11 @@ def to_typed(cls: Type[T], data: Dict[str, Any]) -> Tuple[T, List[Violation]]:
     obj = from_mapping(cls, data, errors)
     # Paths let the schema record which keys runtime code reads (trace.py).
     return stamp(obj), errors
+
+
+def to_yaml(cfg: Any) -> str:
+    """A typed config as YAML (the run's config.yaml). Here, not in compose.py, so that what
+    writes the run directory (rundir.py) needs nothing of composition and validation."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))

@@ -86,7 +86,7 @@ class AgenticConfig(Traced):
     through their generator's endpoint (hpc_rl/serving/) and call tools; each episode
     becomes a token-exact trajectory in which only the policy's tokens are trained on."""
 
-    # A registered environment (hpc_rl/agentic/contract.py: calculator, python_tool: the
+    # A registered environment (hpc_rl/agentic/environments.py: calculator, python_tool: the
     # calculator's task with a sandboxed Python tool, configured by env.agentic.sandbox;
     # single_turn, verifiers:
     # a verifiers environment, configured by env.agentic.verifiers; gym: a NeMo Gym

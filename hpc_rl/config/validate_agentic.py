@@ -101,7 +101,7 @@ def check_agentic(out: List[Violation], cfg: RunConfig) -> None:
     check_sandbox(out, cfg)
     if a.environment is None:
         return
-    from hpc_rl.agentic.contract import environment_factory, known_environments
+    from hpc_rl.agentic.environments import environment_factory, known_environments
 
     try:
         environment_factory(a.environment)

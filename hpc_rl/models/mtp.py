@@ -142,7 +142,7 @@ class WithMtpSpec:
     checkpoints carry them: a derived set cached on its own, so adding the layer (seconds)
     never retrains the base set (an hour on 2 cores for the MoE hybrid)."""
 
-    base: Any  # an assets.AssetSpec
+    base: Any  # an asset_models.AssetSpec
     seed: int = 0
 
     def key(self) -> str:
@@ -154,9 +154,9 @@ def build_with_mtp(spec: WithMtpSpec, root: Optional[Path], log: Callable[[str],
     import shutil
 
     from .asset_cache import cached_build
-    from .assets import build_assets
+    from .asset_models import build_base
 
-    base = build_assets(spec.base, root, log)
+    base = build_base(spec.base, root, log)
 
     def build(tmp: Path) -> dict:
         manifest = dict(base.manifest, mtp={"base": base.root.name, "layers": 1, "added": {}})

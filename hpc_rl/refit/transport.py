@@ -273,15 +273,3 @@ class TorchP2P(_Named):
             self._fail(None, "in the end-of-refit barrier, waiting for", exc, missing=self._not_arrived)
         if int(t.item()) != self.world:
             raise RefitError(f"refit barrier counted {int(t.item())} of {self.world} ranks")
-
-def make_transport(kind: str, store: dist.Store, prefix: str, rank: int, world: int, names: Dict[int, str],
-                   timeout_s: float, cuda: bool = False):
-    """The refit group's transport: "torch" (NCCL on GPUs, gloo on CPUs), "nixl", or
-    "cuda_ipc" (every peer on the same GPU)."""
-    if kind in ("nixl", "cuda_ipc"):  # transports that signal through the store (store_transports.py)
-        from .store_transports import CudaIpcTransport, NixlTransport
-
-        return (NixlTransport if kind == "nixl" else CudaIpcTransport)(store, prefix, rank, world, names)
-    if kind != "torch":
-        raise ValueError(f"refit.transport={kind!r}: use torch, nixl or cuda_ipc")
-    return (TorchP2P.nccl if cuda else TorchP2P.gloo)(store, prefix, rank, world, names, timeout_s)

@@ -51,7 +51,7 @@ class RefitWorkerExtension:
 
         from hpc_rl.refit.layout import Layout
         from hpc_rl.refit.session import RefitEndpoint, RefitSetup
-        from hpc_rl.refit.transport import make_transport
+        from hpc_rl.refit.transports import make_transport
         from vllm.distributed import get_tensor_model_parallel_rank
 
         t0 = time.perf_counter()

@@ -36,17 +36,11 @@ TRAIN_FILE = "data/train.jsonl"
 
 
 def resolve_model_ref(ref: str) -> str:
-    """`tiny:<name>` (or `tiny_moe:<name>`) -> the built asset's directory; anything else is
-    returned as given."""
-    from hpc_rl.models.assets import ASSET_SETS, build_assets
+    """`tiny:<name>` (or `tiny_moe:<name>`, ...) -> the built asset's directory; anything else as
+    given (models/assets.py, imported here only when called: the launcher needs no torch)."""
+    from hpc_rl.models.assets import resolve_model_ref as resolve
 
-    kind, sep, name = ref.partition(":")
-    if not sep or kind not in ASSET_SETS:
-        return ref
-    assets = build_assets(ASSET_SETS[kind], log=lambda line: print(line, flush=True))
-    if name not in assets.paths:
-        raise KeyError(f"{ref!r}: no tiny model named {name!r}; built: {sorted(f'{kind}:{n}' for n in assets.paths)}")
-    return str(assets[name])
+    return resolve(ref)
 
 
 def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional[str]:

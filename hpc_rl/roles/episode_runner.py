@@ -61,7 +61,8 @@ class EpisodeRunner:
     def __init__(self, ctx):
         from transformers import AutoTokenizer
 
-        from hpc_rl.agentic.contract import Limits, build_environment
+        from hpc_rl.agentic.contract import Limits
+        from hpc_rl.agentic.environments import build_environment
         from hpc_rl.agentic.faults import ErrorLog
         from hpc_rl.serving.key import endpoint_key
 

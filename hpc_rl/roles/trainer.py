@@ -50,7 +50,7 @@ class TrainerRole:
         driver describes both layouts and sends the setup to every generator; the trainer
         ranks get it inside their group; every member rebuilds the same plan from it."""
         from hpc_rl.refit.session import RefitEndpoint
-        from hpc_rl.refit.transport import make_transport
+        from hpc_rl.refit.transports import make_transport
         from hpc_rl.refit.vllm_engine import refit_setup
         from hpc_rl.refit.vllm_layout import wire_specs
 
