@@ -67,6 +67,17 @@ def test_summary_compares_start_and_end(tmp_path):
     assert "add" in text and "-60%" in text and "0.750" in text and "1.000" in text
 
 
+def test_summary_keeps_the_validations_pass_at_k_and_names_the_best(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step, tag, acc in ((0, "start", 0.5), (2, "step", 0.8), (4, "end", 0.6)):
+        log.append({"kind": "eval", "tag": tag, "step": step, "accuracy": {"a": acc}, "accuracy_mean": acc, "k": 4,
+                    "pass_at_k": {"a": acc + 0.1}, "pass_at_k_mean": acc + 0.1, "prompts": 10})
+    log.append({"kind": "step", "step": 1, "timing": {"step_s": 1.0}})
+    s = summarize(tmp_path)
+    assert s["start"]["pass_at_k_mean"] == 0.6 and s["end"]["k"] == 4 and s["end"]["prompts"] == 10
+    assert s["best_validation"] == {"step": 2, "tag": "step", "accuracy_mean": 0.8}
+
+
 def test_progress_line_shows_step_phase_and_eta(tmp_path):
     p = Progress(tmp_path, total_steps=10)
     p.update(1, "eval start")

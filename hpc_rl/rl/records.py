@@ -207,6 +207,13 @@ def summarize(run_dir: Path, extra: Optional[Mapping[str, Any]] = None) -> dict:
         if tag in evals:
             e = evals[tag]
             out[tag] = {k: e.get(k) for k in ("reverse_kl", "accuracy", "reward_mean", "step")}
+            for k in ("accuracy_mean", "k", "pass_at_k", "pass_at_k_mean", "mean_at_k", "mean_at_k_mean", "prompts"):
+                if e.get(k) is not None:  # the validation's other figures (rl/eval.py), when it has them
+                    out[tag][k] = e[k]
+    every = [r for r in rows if r.get("kind") == "eval" and r.get("accuracy_mean") is not None]
+    if every:  # the best validation of the run (by greedy accuracy; checkpoint.best_metric ranks checkpoints)
+        top = max(every, key=lambda r: r["accuracy_mean"])
+        out["best_validation"] = {"step": top["step"], "tag": top["tag"], "accuracy_mean": top["accuracy_mean"]}
     if "start" in evals and evals["start"].get("teacher_accuracy"):
         out["teacher_accuracy"] = evals["start"]["teacher_accuracy"]
     if "start" in out and "end" in out:
