@@ -20,6 +20,8 @@ _MISSING = object()
 
 
 def _describe(tp: Any) -> str:
+    if tp is Any:
+        return "any value"
     origin = get_origin(tp)
     if origin is typing.Union:
         args = [a for a in get_args(tp) if a is not type(None)]
@@ -37,6 +39,8 @@ def _describe(tp: Any) -> str:
 
 def _convert(tp: Any, value: Any, key: str, errors: List[Violation]) -> Any:
     """Convert `value` to type `tp`; on failure record a violation and return _MISSING."""
+    if tp is Any:  # a passthrough value (generator.engine_args): the receiver checks it
+        return value
     origin = get_origin(tp)
     if origin is typing.Union:
         if value is None and type(None) in get_args(tp):

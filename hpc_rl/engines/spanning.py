@@ -28,7 +28,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from hpc_rl.refit.vllm_engine import EngineSpan, bind_cpu_workers, engine_kwargs
 from hpc_rl.runtime.death import explain
@@ -80,7 +80,8 @@ class EngineFollower:
     """The workers one follower task hosts for its engine (vLLM's headless node)."""
 
     def __init__(self, seat: EngineSeat, span: EngineSpan, model_path: str, precision: str, max_model_len: int,
-                 seed: int, memory_fraction: float, max_num_seqs: int, tensor_parallel: int, expert_parallel: bool = False):
+                 seed: int, memory_fraction: float, max_num_seqs: int, tensor_parallel: int, expert_parallel: bool = False,
+                 options: Optional[Dict[str, object]] = None):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
@@ -89,7 +90,7 @@ class EngineFollower:
         self.seat = seat
         bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
         args = EngineArgs(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
-                                          tensor_parallel, span, expert_parallel))
+                                          tensor_parallel, span, expert_parallel, options=options))
         config = args.create_engine_config(headless=True)
         # blocks until these workers have joined the engine's process group with the leader's
         self.executor = MultiprocExecutor(config, monitor_workers=False)

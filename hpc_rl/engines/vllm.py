@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from hpc_rl.refit.vllm_engine import SampleRow, VLLMGenerator
+from hpc_rl.refit.vllm_engine import SampleRow, VLLMGenerator, engine_options
 
 from .base import EngineSpec, Sampling
 from .spanning import EngineFollower
@@ -26,14 +26,16 @@ class VLLMEngine:
         g = spec.generator
         return cls(VLLMGenerator(spec.checkpoint, precision=g.precision, max_model_len=spec.max_model_len,
                                  seed=spec.seed, memory_fraction=_memory_fraction(spec), max_num_seqs=g.max_num_seqs,
-                                 tensor_parallel=g.parallel.tp, span=spec.span, expert_parallel=g.parallel.ep > 1))
+                                 tensor_parallel=g.parallel.tp, span=spec.span, expert_parallel=g.parallel.ep > 1,
+                                 options=engine_options(g, spec.on_gpu)))
 
     @staticmethod
     def follower(spec: EngineSpec, seat) -> "EngineFollower":
         """The workers a follower task hosts for its engine, built from the same arguments."""
         g = spec.generator
         return EngineFollower(seat, spec.span, spec.checkpoint, g.precision, spec.max_model_len, spec.seed,
-                              _memory_fraction(spec), g.max_num_seqs, g.parallel.tp, g.parallel.ep > 1)
+                              _memory_fraction(spec), g.max_num_seqs, g.parallel.tp, g.parallel.ep > 1,
+                              engine_options(g, spec.on_gpu))
 
     @property
     def weight_version(self) -> int:

