@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.models.assets import ModelSpec, MoeModelSpec, NemotronHModelSpec, save_untrained
-from hpc_rl.models.chunked_logprobs import chunked_logprobs
+from hpc_rl.models.chunked_logprobs import chunk_tokens_for, chunked_logprobs
 from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
 from backend_batches import masked_batch, masked_loss
 from gloo_ranks import run_ranks
@@ -85,6 +85,16 @@ def test_chunked_equals_whole(ckpts, family):
     assert float((whole[2] - chunked[2]).abs().max()) < VALUE_TOL
     assert float((whole[0] - whole[2]).abs().max()) < VALUE_TOL  # the no-grad pass gives the forward's values
     assert _close_grads(whole[1], chunked[1]) < GRAD_RTOL
+    # the keys' defaults: chunks sized by the vocabulary, the no-grad pass's own token budget
+    default = FSDP2Backend(ckpts[family], train=False)
+    assert default.chunk_tokens is None and default.batch_tokens > 0
+    assert float((whole[2] - default.logprobs(ids, attn)).abs().max()) < VALUE_TOL
+
+
+def test_chunk_size_from_the_vocabulary():
+    assert chunk_tokens_for(None, 32768) == 2048 and chunk_tokens_for(None, 131072) == 512
+    assert chunk_tokens_for(None, 131072 // 8) == 4096  # a tp=8 share
+    assert chunk_tokens_for(7, 131072) == 7
 
 
 @pytest.mark.parametrize("family", ["llama", "nemotron_h", "qwen3_moe"])

@@ -36,7 +36,8 @@ class TrainerMemoryConfig(Traced):
     # Tokens per chunk of the log-prob head: the sampled tokens' log-probs come from the final hidden
     # states a chunk at a time (the backward recomputes each chunk's logits), so no [rows, tokens, vocab]
     # float32 logits exist (hpc_rl/models/chunked_logprobs.py). Applies to the student and the teachers.
-    # None: fsdp2's default, 1024 (DEFAULT_LOGPROB_CHUNK_TOKENS in hpc_rl/models/fsdp2.py); 0: whole
+    # A chunk holds tokens x vocab / tp float32 logits. None: sized by the vocabulary, 2^26 logits
+    # (256 MB) per chunk on each rank (CHUNK_LOGIT_ELEMENTS: 512 tokens at a 128k vocabulary); 0: whole
     # logits at once. The megatron backend has its own vocab-parallel log-probs: set only with fsdp2.
     logprob_chunk_tokens: Optional[int] = None
     # Padded tokens per forward of the no-grad log-prob pass (the student's log-probs, the teachers'

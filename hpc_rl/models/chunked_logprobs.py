@@ -29,6 +29,17 @@ import torch
 import torch.distributed as dist
 
 
+# trainer.logprob_chunk_tokens left unset: as many tokens per chunk as keep a chunk's float32
+# logits at 2^26 elements (256 MB) on each rank, whatever the vocabulary (or its tp share):
+# 2048 tokens at 32k, 512 at 128k, 4096 at 131k over tp=8.
+CHUNK_LOGIT_ELEMENTS = 1 << 26
+
+
+def chunk_tokens_for(chunk: Optional[int], vocab_local: int) -> int:
+    """Tokens per chunk: `chunk` when set, else what keeps a chunk at CHUNK_LOGIT_ELEMENTS logits."""
+    return int(chunk) if chunk else max(1, CHUNK_LOGIT_ELEMENTS // max(vocab_local, 1))
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     # at least fp32 (bf16 logits lose the tail of the distribution); a float64 model keeps float64
     return torch.promote_types(dtype, torch.float32)
@@ -55,8 +66,9 @@ class _ChunkedLogprob(torch.autograd.Function):
                 m = logits.max(-1).values
                 if group is not None:
                     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-                # the sum of exponentials and the target's logit travel in one all-reduce
-                pair = torch.stack([(logits - m[:, None]).exp().sum(-1), picked])
+                # in place: one chunk-sized buffer; the sum of exponentials and the target's logit
+                # travel in one all-reduce
+                pair = torch.stack([logits.sub_(m[:, None]).exp_().sum(-1), picked])
                 del logits
                 if group is not None:
                     dist.all_reduce(pair, group=group)
@@ -80,17 +92,18 @@ class _ChunkedLogprob(torch.autograd.Function):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 h = hidden[s:e].to(dtype)
-                logits = (h @ w.t()).to(acc)
-                # d log p(y) / d z_v = 1[v = y] - softmax(z)_v, on this rank's slice of v
-                g = (logits - lse[s:e, None]).exp_().mul_(-grad[s:e, None])
-                del logits
+                # d log p(y) / d z_v = 1[v = y] - softmax(z)_v, on this rank's slice of v (in place
+                # on the recomputed logits: one chunk-sized buffer)
+                g = (h @ w.t()).to(acc).sub_(lse[s:e, None]).exp_().mul_(-grad[s:e, None])
                 local_t = target[s:e] - ctx.vocab_start
                 here = (local_t >= 0) & (local_t < v_local)
                 g.scatter_add_(-1, torch.where(here, local_t, 0)[:, None], (grad[s:e] * here)[:, None])
                 g = g.to(dtype)
                 if d_hidden is not None:
                     d_hidden[s:e] = g @ w
-                if d_weight is not None:
+                if d_weight is not None and d_weight.dtype == g.dtype:
+                    d_weight.addmm_(g.t(), h)  # no weight-sized temporary per chunk
+                elif d_weight is not None:
                     d_weight += (g.t() @ h).to(acc)
         if d_hidden is not None and ctx.group is not None:
             # each tp rank's vocabulary slice contributes a part of every hidden state's gradient
@@ -111,8 +124,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     return out.reshape(shape)
 
 
-def head_logprobs(lm_head: torch.nn.Module, hidden, target: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The head's log-probs of `target` [B, T] at every position of `hidden` [B, T, H]."""
+def head_logprobs(lm_head: torch.nn.Module, hidden, target: torch.Tensor, chunk: Optional[int]) -> torch.Tensor:
+    """The head's log-probs of `target` [B, T] at every position of `hidden` [B, T, H], in
+    chunks of `chunk` tokens (None: chunk_tokens_for's size)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if getattr(lm_head, "bias", None) is not None:
@@ -127,7 +141,7 @@ def head_logprobs(lm_head: torch.nn.Module, hidden, target: torch.Tensor, chunk:
     dtype = None
     if torch.is_autocast_enabled(hidden.device.type):  # what the head's matmul would run in under autocast
         dtype = torch.get_autocast_dtype(hidden.device.type)
-    return chunked_logprobs(hidden, weight, target, chunk, start, group, dtype)
+    return chunked_logprobs(hidden, weight, target, chunk_tokens_for(chunk, weight.shape[0]), start, group, dtype)
 
 
 @contextlib.contextmanager
@@ -147,7 +161,7 @@ def _forward_swapped(model: torch.nn.Module, forward):
 
 
 def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                   target: torch.Tensor, chunk: int, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   target: torch.Tensor, chunk: Optional[int], position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, T] log p(target[:, i] | the model's state after input_ids[:, :i+1]) through a
     Hugging Face causal LM (`model.model` the backbone, `model.lm_head` the head), never
     holding more than `chunk` tokens' logits."""
@@ -163,7 +177,7 @@ def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
 
 def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        chunk: int) -> torch.Tensor:
+                        chunk: Optional[int]) -> torch.Tensor:
     """models/fsdp2.token_logprobs' convention, chunked: out[:, i] = log p(ids[:, i] | ids[:, :i]),
     out[:, 0] = 0. The last position predicts nothing: its target is a dummy, its value dropped."""
     target = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)

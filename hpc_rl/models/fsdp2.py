@@ -66,15 +66,10 @@ def parallel_dims(group: Optional[dist.ProcessGroup], parallel: Optional[Dict[st
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
-# trainer.logprob_chunk_tokens / logprob_batch_tokens left at None (config/schema_trainer.py):
-# at 1024 tokens a chunk's float32 logits are 0.5 GB at a 131k vocabulary; 16384 tokens per
-# no-grad forward bound its activations while keeping a forward large enough to be efficient.
-DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
+# trainer.logprob_batch_tokens left at None (config/schema_trainer.py): 16384 tokens per no-grad
+# forward bound its activations while keeping a forward large enough to be efficient. (An unset
+# trainer.logprob_chunk_tokens is sized by models/chunked_logprobs.py: CHUNK_LOGIT_ELEMENTS.)
 DEFAULT_LOGPROB_BATCH_TOKENS = 16384
-
-
-def _or(value: Optional[int], default: int) -> int:
-    return default if value is None else int(value)
 
 
 class FSDP2Backend:
@@ -115,9 +110,10 @@ class FSDP2Backend:
         self.checkpoint_dir = model_path
         self.device = torch.device(device)
         self.precision = precision
-        # 0: whole [rows, tokens, vocab] logits in one piece / every row in one no-grad forward
-        self.chunk_tokens = _or(logprob_chunk_tokens, DEFAULT_LOGPROB_CHUNK_TOKENS)
-        self.batch_tokens = _or(logprob_batch_tokens, DEFAULT_LOGPROB_BATCH_TOKENS)
+        # 0: whole [rows, tokens, vocab] logits in one piece / every row in one no-grad forward;
+        # chunk None: sized by the vocabulary (models/chunked_logprobs.py chunk_tokens_for)
+        self.chunk_tokens = None if logprob_chunk_tokens is None else int(logprob_chunk_tokens)
+        self.batch_tokens = DEFAULT_LOGPROB_BATCH_TOKENS if logprob_batch_tokens is None else int(logprob_batch_tokens)
         # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
         self.sharded = group is not None and dist.get_world_size(group) > 1
@@ -200,7 +196,7 @@ class FSDP2Backend:
 
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] log-probs with gradients; the head in chunks of `chunk_tokens` tokens
-        (models/chunked_logprobs.py), or whole logits when it is 0."""
+        (models/chunked_logprobs.py; None: sized by the vocabulary), or whole logits when it is 0."""
         ids, mask, chunk = input_ids.to(self.device), attention_mask.to(self.device), self.chunk_tokens
         if self.dims.cp > 1:  # each rank its 1/cp of the tokens, K/V gathered in the attention
             from .parallel.context_parallel import cp_token_logprobs
@@ -213,7 +209,7 @@ class FSDP2Backend:
             with self._autocast():
                 return tp_token_logprobs(self.model, ids, mask, self.dims.tp, chunk)
         with self._autocast():
-            if chunk:
+            if chunk != 0:
                 return next_token_logprobs(self.model, ids, mask, chunk)
             logits = self.model(input_ids=ids, attention_mask=mask).logits
         return token_logprobs(logits, ids)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -96,9 +97,10 @@ def _active(group, offset: int, key_valid: torch.Tensor):
 
 
 def cp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, group,
-                      chunk: int = 0) -> torch.Tensor:
+                      chunk: Optional[int] = 0) -> torch.Tensor:
     """[B, T] log p(token i | tokens < i), 0 at position 0, on every rank of the cp `group`.
-    `chunk` > 0: the head runs on that many tokens at a time (models/chunked_logprobs.py)."""
+    `chunk` 0: whole logits; else the head runs on that many tokens at a time (None: a size of
+    models/chunked_logprobs.py's choosing)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     b, t = input_ids.shape
     extra = -t % cp
@@ -110,7 +112,7 @@ def cp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     # position g of this chunk predicts token g + 1 (the next chunk's first for the last one)
     targets = torch.cat([ids[:, 1:], ids.new_zeros((b, 1))], 1)[:, lo:hi]
     with _active(group, lo, mask):  # the whole model's forward: FSDP2's root hooks gather the embedding and head
-        if chunk:
+        if chunk != 0:
             from ..chunked_logprobs import model_logprobs
 
             lp = model_logprobs(model, ids[:, lo:hi], None, targets, chunk, position_ids=positions)
