@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 from .schema_agentic import AgenticConfig
 from .schema_algo import AlgoConfig, ValidationConfig
-from .schema_trainer import OptimizerConfig, SchedulerConfig
+from .schema_trainer import OptimizerConfig, SchedulerConfig, TrainerMemoryConfig
 from .trace import Traced
 
 # The experiment loggers `logger` may list; hpc_rl/observe/loggers.py registers one backend
@@ -158,7 +158,7 @@ class RoleResources(Traced):
 
 
 @dataclass
-class TrainerConfig(RoleResources):
+class TrainerConfig(RoleResources, TrainerMemoryConfig):
     # What trains the student and runs the teachers: fsdp2 (torch FSDP2, CPU or GPU) or megatron
     # (megatron-core, GPU clusters only).
     backend: Literal["fsdp2", "megatron"] = "fsdp2"

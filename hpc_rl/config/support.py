@@ -121,6 +121,11 @@ def _trainer_ep_runs(cfg: RunConfig) -> bool:
             and t.parallel.tp == 1 and t.parallel.cp == 1 and t.parallel.pp == 1 and t.parallel.etp == 1)
 
 
+# The trainer's memory keys (config/schema_trainer.py TrainerMemoryConfig) are fsdp2's: the megatron
+# backend computes its vocab-parallel log-probs over whole micro-batches and has no recompute
+# wired here (megatron-core's recompute_granularity is not mapped: it cannot be tested without a GPU).
+_MEGATRON_MEMORY = ("the megatron backend of this version does not read {what}; it would be ignored "
+                    "(the fsdp2 backend honours it: hpc_rl/models/chunked_logprobs.py, models/fsdp2.py)")
 RULES: List[Rule] = [
     # trainer.backend=megatron: accepted on GPU clusters (validate.py refuses it where
     # cluster.gpus_per_node=0: megatron-core has no CPU path). Megatron honours tp, cp, ep,
@@ -171,6 +176,20 @@ RULES: List[Rule] = [
          f"use a checkpoint of one of {list(MEGATRON_ARCHITECTURES)} and name it in model.architecture",
          # a GPU cluster: megatron is refused on CPU clusters (validate.py)
          example="gpt2", applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
+    Rule("trainer.logprob_chunk_tokens", lambda v: v is not None,
+         _MEGATRON_MEMORY.format(what="trainer.logprob_chunk_tokens (its log-probs come from whole vocab-parallel logits)"),
+         "leave {key} unset (null) with trainer.backend=megatron, or use trainer.backend=fsdp2", example=1024,
+         applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
+    Rule("trainer.logprob_batch_tokens", lambda v: v is not None,
+         _MEGATRON_MEMORY.format(what="trainer.logprob_batch_tokens (its log-prob pass runs trainer.micro_batch_size "
+                                      "rows per forward)"),
+         "leave {key} unset (null) with trainer.backend=megatron (set trainer.micro_batch_size), or use "
+         "trainer.backend=fsdp2", example=16384, applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
+    Rule("trainer.activation_checkpointing", bool,
+         _MEGATRON_MEMORY.format(what="trainer.activation_checkpointing (megatron-core's recompute options are not "
+                                      "mapped in this version)"),
+         "set {key}=false with trainer.backend=megatron, or use trainer.backend=fsdp2", example=True,
+         applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
 ]
 
 FACTS: List[Fact] = [

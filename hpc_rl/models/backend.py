@@ -84,6 +84,11 @@ class BackendSpec:
     # every backend builds its layout from these (fsdp2: dp x cp x tp mesh; megatron: its groups)
     parallel: Any = None
     sequence_parallel: bool = False  # tensor parallel shards the norms' tokens (trainer.sequence_parallel)
+    # trainer.logprob_chunk_tokens / logprob_batch_tokens (None: the backend's default), for the
+    # student and the teachers; trainer.activation_checkpointing, for the student only
+    logprob_chunk_tokens: Any = None
+    logprob_batch_tokens: Any = None
+    activation_checkpointing: bool = False
 
 
 def parallel_sizes(p: Any) -> Dict[str, Any]:

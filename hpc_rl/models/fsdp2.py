@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hpc_rl.precision import torch_dtype
 
 from .backend import BackendSpec, LossFn, Shards
+from .chunked_logprobs import next_token_logprobs
 from .nonfinite import NonFiniteGuard
 # the launcher checks checkpoints before any rank starts, without importing torch
 # (models/checkpoint_check.py); the names stay importable from here
@@ -65,6 +66,11 @@ def parallel_dims(group: Optional[dist.ProcessGroup], parallel: Optional[Dict[st
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
+# trainer.logprob_batch_tokens left at None (config/schema_trainer.py): 16384 tokens per no-grad
+# forward bound its activations while keeping a forward large enough to be efficient. (An unset
+# trainer.logprob_chunk_tokens is sized by models/chunked_logprobs.py: CHUNK_LOGIT_ELEMENTS.)
+DEFAULT_LOGPROB_BATCH_TOKENS = 16384
+
 
 class FSDP2Backend:
     """Data parallel (FSDP2: every dp rank holds a Shard(0) chunk of each weight); with
@@ -86,11 +92,15 @@ class FSDP2Backend:
                                 max_nonfinite_steps=spec.train.max_nonfinite_steps)
         return cls(spec.checkpoint, group=spec.group, precision=spec.precision, optim=optim,
                    train=spec.train is not None, device=spec.device, parallel=spec.parallel,
-                   sequence_parallel=spec.sequence_parallel)
+                   sequence_parallel=spec.sequence_parallel, logprob_chunk_tokens=spec.logprob_chunk_tokens,
+                   logprob_batch_tokens=spec.logprob_batch_tokens,
+                   activation_checkpointing=spec.activation_checkpointing)
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
                  optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu",
-                 parallel: Optional[Dict[str, int]] = None, sequence_parallel: bool = False):
+                 parallel: Optional[Dict[str, int]] = None, sequence_parallel: bool = False,
+                 logprob_chunk_tokens: Optional[int] = None, logprob_batch_tokens: Optional[int] = None,
+                 activation_checkpointing: bool = False):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -100,6 +110,10 @@ class FSDP2Backend:
         self.checkpoint_dir = model_path
         self.device = torch.device(device)
         self.precision = precision
+        # 0: whole [rows, tokens, vocab] logits in one piece / every row in one no-grad forward;
+        # chunk None: sized by the vocabulary (models/chunked_logprobs.py chunk_tokens_for)
+        self.chunk_tokens = None if logprob_chunk_tokens is None else int(logprob_chunk_tokens)
+        self.batch_tokens = DEFAULT_LOGPROB_BATCH_TOKENS if logprob_batch_tokens is None else int(logprob_batch_tokens)
         # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
         self.sharded = group is not None and dist.get_world_size(group) > 1
@@ -126,6 +140,16 @@ class FSDP2Backend:
                 raise ValueError(f"expert parallel {self.dims.ep} needs several trainer ranks and no tensor/context parallel")
             self.ep = EPGroups(group, self.dims.ep, self.device.type)
             self.expert_params = shard_experts(model, self.ep)
+        self.activation_checkpointing = bool(activation_checkpointing and train)
+        if self.activation_checkpointing:
+            # per decoder block (attention, MLP, Mamba or MoE alike), after tensor/expert parallel
+            # changed the blocks' parameters and before FSDP2 shards them: the recompute in the
+            # backward then runs inside the block's FSDP2 unshard. torch's composable checkpoint
+            # (non-reentrant) works through hooks, so parameter names (checkpoints, refit) stay.
+            from torch.distributed._composable import checkpoint
+
+            for layer in model.model.layers:
+                checkpoint(layer)
         if self.dims.dp * self.dims.cp > 1:
             # FSDP2 over dp (x tp inside) or, with cp, over the dp x cp ranks: the whole group
             tp_inside = self.dims.tp > 1
@@ -171,25 +195,52 @@ class FSDP2Backend:
         return self.dims.coords(role_rank)["dp"]
 
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] log-probs with gradients; the head in chunks of `chunk_tokens` tokens
+        (models/chunked_logprobs.py; None: sized by the vocabulary), or whole logits when it is 0."""
+        ids, mask, chunk = input_ids.to(self.device), attention_mask.to(self.device), self.chunk_tokens
         if self.dims.cp > 1:  # each rank its 1/cp of the tokens, K/V gathered in the attention
             from .parallel.context_parallel import cp_token_logprobs
 
             with self._autocast():
-                return cp_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
-                                         self.mesh["cp"].get_group())
+                return cp_token_logprobs(self.model, ids, mask, self.mesh["cp"].get_group(), chunk)
         if self.dims.tp > 1:  # the log-softmax over the sharded vocabulary (no rank holds whole logits)
             from .parallel.forward import tp_token_logprobs
 
             with self._autocast():
-                return tp_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
-                                         self.dims.tp)
+                return tp_token_logprobs(self.model, ids, mask, self.dims.tp, chunk)
         with self._autocast():
-            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
-        return token_logprobs(logits, input_ids.to(self.device))
+            if chunk != 0:
+                return next_token_logprobs(self.model, ids, mask, chunk)
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+        return token_logprobs(logits, ids)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.forward_logprobs(input_ids, attention_mask)
+        """The no-grad pass (student log-probs, teachers), in forwards of at most
+        `batch_tokens` padded tokens (one row at least). Every rank of the group runs as many
+        forwards (FSDP2 and tp/cp forwards are collectives): the count is agreed, and a rank
+        with fewer rows runs its first row again for each forward it lacks, its output dropped."""
+        n, t = input_ids.shape
+        rows = n if not self.batch_tokens else max(1, self.batch_tokens // max(t, 1))
+        count = -(-n // rows) if n else 0
+        if self.sharded:
+            agreed = torch.tensor([count], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+            count = int(agreed)
+        if count <= 1 and n:
+            return self.forward_logprobs(input_ids, attention_mask)
+        out = []
+        for k in range(count):
+            part = slice(k * rows, min((k + 1) * rows, n))
+            if part.start < n:
+                out.append(self.forward_logprobs(input_ids[part], attention_mask[part]))
+            else:  # a forward the other ranks run; its output is no row of ours
+                spare = (input_ids[:1], attention_mask[:1]) if n else (input_ids.new_zeros((1, t)),
+                                                                       attention_mask.new_ones((1, t)))
+                self.forward_logprobs(*spare)
+        if not n:
+            return torch.zeros((0, t), device=self.device)
+        return torch.cat(out)
 
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn: LossFn,
                    micro_batch_size: Optional[int] = None) -> Dict[str, float]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,11 @@ def _active(group, offset: int, key_valid: torch.Tensor):
         _state.cp = None
 
 
-def cp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, group) -> torch.Tensor:
-    """[B, T] log p(token i | tokens < i), 0 at position 0, on every rank of the cp `group`."""
+def cp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, group,
+                      chunk: Optional[int] = 0) -> torch.Tensor:
+    """[B, T] log p(token i | tokens < i), 0 at position 0, on every rank of the cp `group`.
+    `chunk` 0: whole logits; else the head runs on that many tokens at a time (None: a size of
+    models/chunked_logprobs.py's choosing)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     b, t = input_ids.shape
     extra = -t % cp
@@ -105,10 +109,16 @@ def cp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     n = ids.shape[1] // cp
     lo, hi = rank * n, (rank + 1) * n
     positions = torch.arange(lo, hi, device=ids.device)[None].expand(b, -1)
-    with _active(group, lo, mask):  # the whole model's forward: FSDP2's root hooks gather the embedding and head
-        logits = model(input_ids=ids[:, lo:hi], attention_mask=None, position_ids=positions, use_cache=False).logits.float()
     # position g of this chunk predicts token g + 1 (the next chunk's first for the last one)
     targets = torch.cat([ids[:, 1:], ids.new_zeros((b, 1))], 1)[:, lo:hi]
-    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    with _active(group, lo, mask):  # the whole model's forward: FSDP2's root hooks gather the embedding and head
+        if chunk != 0:
+            from ..chunked_logprobs import model_logprobs
+
+            lp = model_logprobs(model, ids[:, lo:hi], None, targets, chunk, position_ids=positions)
+        else:
+            logits = model(input_ids=ids[:, lo:hi], attention_mask=None, position_ids=positions,
+                           use_cache=False).logits.float()
+            lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     whole = _gather(lp, group, 1)[:, : ids.shape[1] - 1]  # predictions of tokens 1..T-1
     return torch.cat([torch.zeros_like(whole[:, :1]), whole], 1)[:, :t]

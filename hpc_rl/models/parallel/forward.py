@@ -37,10 +37,17 @@ def local_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     return local, vocab_start, mesh.get_group()
 
 
-def tp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, tp: int) -> torch.Tensor:
-    """[B, T] log p(token i | tokens < i), 0 at position 0 (models/fsdp2.token_logprobs' convention)."""
+def tp_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, tp: int,
+                      chunk: Optional[int] = 0) -> torch.Tensor:
+    """[B, T] log p(token i | tokens < i), 0 at position 0 (models/fsdp2.token_logprobs' convention).
+    `chunk` 0: whole logits; else the head runs on that many tokens at a time (None: a size of
+    models/chunked_logprobs.py's choosing)."""
     t = input_ids.shape[1]
     ids, mask = _pad_to(input_ids, attention_mask, tp)
+    if chunk != 0:
+        from ..chunked_logprobs import next_token_logprobs
+
+        return next_token_logprobs(model, ids, mask, chunk)[:, :t]
     local, start, group = local_logits(model, ids, mask)
     return sharded_token_logprobs(local, ids, start, group)[:, :t]
 
