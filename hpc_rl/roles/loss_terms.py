@@ -13,9 +13,11 @@ import torch
 from hpc_rl.algo import kl_estimate, kl_reward_penalty, masked_mean, overlong_penalty
 
 
-def kl_tokens(cfg, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+def kl_tokens(cfg, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+              weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The configured estimator and clamps of algo.ref_kl, per token (algo/kl.py)."""
     k = cfg.algo.ref_kl
-    return kl_estimate(logprobs, ref_logprobs, k.estimator, k.input_clamp, k.output_clamp)
+    return kl_estimate(logprobs, ref_logprobs, k.estimator, k.input_clamp, k.output_clamp, weights)
 
 
 def uses_reference(cfg) -> bool:
@@ -61,9 +63,7 @@ def kl_loss_term(cfg, lp: torch.Tensor, b, rows: torch.Tensor,
     a = cfg.algo
     if not uses_reference(cfg) or a.ref_kl.apply_to != "loss":
         return None, {}
-    k = a.ref_kl
-    kl_t = kl_estimate(lp, b.ref_logprobs[rows].to(lp.device), k.estimator, k.input_clamp, k.output_clamp,
-                       weights=torch.exp(lp - lp.detach()))
+    kl_t = kl_tokens(cfg, lp, b.ref_logprobs[rows].to(lp.device), weights=torch.exp(lp - lp.detach()))
     return a.ref_kl_coef * kl_t, {"ref_kl_loss": float(masked_mean(kl_t.detach().float(), mask))}
 
 

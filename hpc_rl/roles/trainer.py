@@ -220,7 +220,8 @@ class TrainerRole:
         if fwd is not None:  # the whole batch's, for the records and the metrics below
             b.student_logprobs = fwd.whole(tuple(mask.shape), self.ctx.groups.role,
                                            dist.get_world_size(self.ctx.groups.role))
-            adv = b.advantages = self.advantages(b)
+            # MOPD's advantages need the whole batch's log-probs; GRPO's were computed before the step
+            adv = b.advantages = adv if adv is not None else self.advantages(b)
             keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
         # the ranks agree on every skip (models/nonfinite.py): counted, not averaged
         skipped = sum(int(m.pop("nonfinite_skipped")) for m in metrics)
