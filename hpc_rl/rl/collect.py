@@ -158,7 +158,7 @@ class Collector:
 
     def _scores(self, n: int, score_env: bool, score_teachers: bool, score_reference: bool = False):
         """Driver: the env ranks' rewards, the teacher heads' log-probs (in route order) and the
-        reference model's for every row (its group answers (routed, all))."""
+        reference model's for every row (its group answers (the keys routed to it, every row's))."""
         rewards = correct = teacher = ref = None
         if score_env:
             rewards, correct = [0.0] * n, [None] * n
@@ -169,8 +169,9 @@ class Collector:
         if score_teachers:
             teacher = {}
         for group in self.routes.teachers:
-            if score_reference and group == self.ref_group:
-                routed, ref = exchange.recv(self.routes.teacher_head(group))
+            if score_reference and group == self.ref_group:  # one set of log-probs serves both
+                keys, ref = exchange.recv(self.routes.teacher_head(group))
+                routed = {k: ref[k] for k in keys}
             elif score_teachers:
                 routed = exchange.recv(self.routes.teacher_head(group))
             else:

@@ -70,8 +70,8 @@ class TeacherRole:
             if not work.wanted:
                 continue
             out = self.accuracy(work.items) if work.kind == TEACHER_EVAL else self.score(work.items)
-            if work.reference:  # every row for the reference, and the ones routed to this group as a teacher
-                out = ({k: out[k] for k, rec, _ in work.items if self._routed_here(rec.agent)}, out)
+            if work.reference:  # every row's, for the reference; the keys of those routed here as a teacher
+                out = ([k for k, rec, _ in work.items if self._routed_here(rec.agent)], out)
             if self.is_head:
                 self.ctx.set_phase("wait_send")  # the send returns once the driver takes it
                 exchange.send(out, self.routes.driver)
