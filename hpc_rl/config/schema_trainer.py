@@ -49,3 +49,14 @@ class TrainerMemoryConfig(Traced):
     # non-reentrant checkpoint per block, applied before FSDP2 shards it): less memory, about one more
     # forward of compute per train step. The student on fsdp2 only (teachers never run a backward).
     activation_checkpointing: bool = False
+    # Sequence packing: several samples share one row, each with its own position ids; attention
+    # never crosses samples (a block-diagonal mask on CPU, variable-length attention on GPUs) and
+    # Nemotron-H's Mamba state restarts at every sample (hpc_rl/models/packing.py). Train
+    # micro-batches are then formed by trainer.micro_batch_tokens (not micro_batch_size rows) and
+    # the no-grad log-prob pass packs rows of up to logprob_batch_tokens tokens; the loss is the
+    # unpacked loss. The student and the teachers on fsdp2, without context parallel.
+    packing: bool = False
+    # Tokens per packed train micro-batch (one packed row) with trainer.packing: samples are
+    # placed first-fit by decreasing length. None: trainer.max_seq_len (the longest sample fits
+    # alone). At least trainer.max_seq_len.
+    micro_batch_tokens: Optional[int] = None
