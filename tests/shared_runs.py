@@ -15,6 +15,11 @@ from slow_train_step import SLOW_TRAIN_STEP
 
 TINY_MOPD_SMALL = ["algo.prompts_per_step=32", "trainer.global_batch_size=32", "data.samples_per_task=32",
                    "data.eval_prompts_per_task=8"]
+# The shared run trains and scores packed (issue 44): several samples per row in the student's
+# train step and log-prob pass and in the teachers' scoring, micro-batches by a token budget
+# smaller than the batch, so a step runs several packed micro-batches.
+PACKED = ["trainer.packing=true", "trainer.micro_batch_size=1", "trainer.micro_batch_tokens=256",
+          "trainer.logprob_batch_tokens=256"]
 EVERY_LOGGER = "logger=[jsonl,tensorboard,wandb,mlflow]"
 # Planted where W&B and MLflow look for credentials; none may reach a file of the run.
 LOGGER_SECRETS = {
@@ -25,10 +30,10 @@ LOGGER_SECRETS = {
 
 
 def launch_tiny_mopd_three_steps(run: Path):
-    """`+recipe=tiny_mopd` for 3 steps, locally: a checkpoint every 2 steps, every experiment
+    """`+recipe=tiny_mopd` for 3 steps, locally, packed: a checkpoint every 2 steps, every experiment
     logger on, logger credentials planted in its environment, and trainer:0 stalling 20 s
     inside step 2's train phase under refit.timeout_s=5. Returns (run_dir, CompletedProcess)."""
     proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_mopd", "run.max_steps=3", f"run.dir={run}",
-                           "checkpoint.every_steps=2", EVERY_LOGGER, *TINY_MOPD_SMALL, *SLOW_TRAIN_STEP],
+                           "checkpoint.every_steps=2", EVERY_LOGGER, *TINY_MOPD_SMALL, *PACKED, *SLOW_TRAIN_STEP],
                           capture_output=True, text=True, timeout=900, env=dict(os.environ, **LOGGER_SECRETS))
     return run, proc

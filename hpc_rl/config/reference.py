@@ -41,6 +41,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate.py", "checked"),
     ("config/validate_generator.py", "checked"),
     ("config/validate_async.py", "checked"),
+    ("config/validate_packing.py", "checked"),
     ("config/validate_logging.py", "checked"),
     ("config/validate_agentic.py", "checked"),
     ("config/validate_rundir.py", "checked"),

@@ -89,6 +89,10 @@ class BackendSpec:
     logprob_chunk_tokens: Any = None
     logprob_batch_tokens: Any = None
     activation_checkpointing: bool = False
+    # trainer.packing (the student's train step and every no-grad log-prob pass, teachers' too) and
+    # trainer.micro_batch_tokens (the student's packed micro-batches; None: one sample per row)
+    packing: bool = False
+    micro_batch_tokens: Any = None
 
 
 def parallel_sizes(p: Any) -> Dict[str, Any]:

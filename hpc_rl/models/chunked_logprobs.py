@@ -176,10 +176,18 @@ def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
 
 
-def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        chunk: Optional[int]) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] logits, [B, T] ids -> [B, T] with out[:, i] = log p(ids[:, i] | ids[:, :i]), out[:, 0] = 0."""
+    # at least fp32 (bf16 logits lose the tail of the distribution); a float64 model keeps float64
+    lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                        chunk: Optional[int], position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """models/fsdp2.token_logprobs' convention, chunked: out[:, i] = log p(ids[:, i] | ids[:, :i]),
-    out[:, 0] = 0. The last position predicts nothing: its target is a dummy, its value dropped."""
+    out[:, 0] = 0. The last position predicts nothing: its target is a dummy, its value dropped.
+    A packed row (models/packing.py) comes with its position ids and no attention mask."""
     target = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
-    lp = model_logprobs(model, input_ids, attention_mask, target, chunk)[:, :-1]
+    lp = model_logprobs(model, input_ids, attention_mask, target, chunk, position_ids=position_ids)[:, :-1]
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)

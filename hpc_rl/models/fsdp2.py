@@ -8,6 +8,7 @@ i given tokens < i, and position 0 holds 0 (nothing predicts the first token).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -18,21 +19,15 @@ import torch.distributed as dist
 from hpc_rl.precision import torch_dtype
 
 from .backend import BackendSpec, LossFn, Shards
-from .chunked_logprobs import next_token_logprobs
+from .chunked_logprobs import next_token_logprobs, token_logprobs  # noqa: F401 (importable from here)
 from .nonfinite import NonFiniteGuard
+from .packed_passes import agreed_count, logprob_pass, packed_rows_logprobs, train_micro_batches
 # the launcher checks checkpoints before any rank starts, without importing torch
 # (models/checkpoint_check.py); the names stay importable from here
 from .checkpoint_check import ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, CheckpointError, check_checkpoint  # noqa: F401
 from .parallel.expert_names import checkpoint_shards, checkpoint_specs
 from .parallel.expert_parallel import (EPGroups, clip_grad_norm, expert_param_groups,
                                        finish_expert_grads, shard_experts)
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] logits, [B, T] ids -> [B, T] with out[:, i] = log p(ids[:, i] | ids[:, :i]), out[:, 0] = 0."""
-    # at least fp32 (bf16 logits lose the tail of the distribution); a float64 model keeps float64
-    lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-
 
 @dataclass
 class OptimConfig:
@@ -94,13 +89,15 @@ class FSDP2Backend:
                    train=spec.train is not None, device=spec.device, parallel=spec.parallel,
                    sequence_parallel=spec.sequence_parallel, logprob_chunk_tokens=spec.logprob_chunk_tokens,
                    logprob_batch_tokens=spec.logprob_batch_tokens,
-                   activation_checkpointing=spec.activation_checkpointing)
+                   activation_checkpointing=spec.activation_checkpointing, packing=spec.packing,
+                   micro_batch_tokens=spec.micro_batch_tokens)
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
                  optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu",
                  parallel: Optional[Dict[str, int]] = None, sequence_parallel: bool = False,
                  logprob_chunk_tokens: Optional[int] = None, logprob_batch_tokens: Optional[int] = None,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, packing: bool = False,
+                 micro_batch_tokens: Optional[int] = None):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -114,6 +111,10 @@ class FSDP2Backend:
         # chunk None: sized by the vocabulary (models/chunked_logprobs.py chunk_tokens_for)
         self.chunk_tokens = None if logprob_chunk_tokens is None else int(logprob_chunk_tokens)
         self.batch_tokens = DEFAULT_LOGPROB_BATCH_TOKENS if logprob_batch_tokens is None else int(logprob_batch_tokens)
+        # trainer.packing: several samples per row (models/packing.py, packed_passes.py); the train
+        # step's micro-batches hold at most micro_batch_tokens tokens (None: a row of its own each)
+        self.packing = bool(packing)
+        self.micro_batch_tokens = int(micro_batch_tokens) if micro_batch_tokens else None
         # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
         self.sharded = group is not None and dist.get_world_size(group) > 1
@@ -140,6 +141,12 @@ class FSDP2Backend:
                 raise ValueError(f"expert parallel {self.dims.ep} needs several trainer ranks and no tensor/context parallel")
             self.ep = EPGroups(group, self.dims.ep, self.device.type)
             self.expert_params = shard_experts(model, self.ep)
+        if self.packing:  # Mamba mixers restart their state at every packed sample
+            from .mamba_segments import install
+
+            if self.dims.tp > 1 or self.dims.cp > 1:  # validation refuses it (config/validate_memory.py)
+                raise ValueError("packing runs without tensor or context parallel")
+            install(model)
         self.activation_checkpointing = bool(activation_checkpointing and train)
         if self.activation_checkpointing:
             # per decoder block (attention, MLP, Mamba or MoE alike), after tensor/expert parallel
@@ -220,6 +227,8 @@ class FSDP2Backend:
         `batch_tokens` padded tokens (one row at least). Every rank of the group runs as many
         forwards (FSDP2 and tp/cp forwards are collectives): the count is agreed, and a rank
         with fewer rows runs its first row again for each forward it lacks, its output dropped."""
+        if self.packing:
+            return logprob_pass(self, input_ids, attention_mask)
         n, t = input_ids.shape
         rows = n if not self.batch_tokens else max(1, self.batch_tokens // max(t, 1))
         count = -(-n // rows) if n else 0
@@ -255,16 +264,20 @@ class FSDP2Backend:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         n = input_ids.shape[0]
-        mbs = n if not micro_batch_size or micro_batch_size >= n else micro_batch_size
-        total, metrics = 0.0, {}
-        for start in range(0, n, mbs):
-            rows = slice(start, min(start + mbs, n))
-            loss, m = loss_fn(self.forward_logprobs(input_ids[rows], attention_mask[rows]), rows)
-            loss.backward()
+        total, metrics, count, fwd_tokens = 0.0, {}, 0, 0
+        for rows, lp_of, tokens in self._micro_batches(input_ids, attention_mask, micro_batch_size):
+            count += 1
+            fwd_tokens += tokens if rows is not None else 0
+            with lp_of() as lp:
+                if rows is None:  # a spare forward: its backward joins the gradient reductions, adding 0
+                    (lp.sum() * 0).backward()
+                    continue
+                loss, m = loss_fn(lp, rows)
+                loss.backward()
             total += float(loss.detach())
-            share = (rows.stop - rows.start) / n
+            share = len(range(n)[rows]) if isinstance(rows, slice) else len(rows)
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + share * float(v)
+                metrics[k] = metrics.get(k, 0.0) + share / n * float(v)
         if self.ep:
             finish_expert_grads(self.expert_params, self.ep)
             grad_norm = clip_grad_norm(self.model.parameters(), self.optim_cfg.grad_clip)
@@ -279,7 +292,35 @@ class FSDP2Backend:
             self.step_count += 1  # the schedule's position: applied updates only (models/nonfinite.py)
         self.optimizer.zero_grad(set_to_none=True)
         skip = self.nonfinite.record(finite, f"loss {total:.4g}, grad norm {norm:.4g}")
-        return {**metrics, "loss": total, "lr": lr, "grad_norm": norm, "micro_batches": -(-n // mbs), **skip}
+        # the share of the forwards' tokens that were padding (trainer.packing drives it to ~0)
+        pad = 1.0 - float(attention_mask.sum()) / fwd_tokens if fwd_tokens else 0.0
+        return {**metrics, "loss": total, "lr": lr, "grad_norm": norm, "micro_batches": count,
+                "padding_share": pad, **skip}
+
+    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: Optional[int]):
+        """(rows, a context giving their [rows, T] log-probs with gradients, the forward's token
+        count) per micro-batch:
+        `micro_batch_size` rows at a time (None: all), or with packing one packed row of at
+        most micro_batch_tokens tokens (rows None: a spare forward, packed_passes.py). The
+        context spans the backward too: recomputed Mamba mixers keep their sample spans."""
+        width = input_ids.shape[1]
+        if self.packing:
+            for rows, p in train_micro_batches(self, input_ids, attention_mask):
+                yield rows, lambda p=p: _spans_and(self.model, p, lambda: packed_rows_logprobs(self, p, width)), \
+                    p.input_ids.shape[1]
+            return
+        n = input_ids.shape[0]
+        mbs = max(n, 1) if not micro_batch_size or micro_batch_size >= n else micro_batch_size
+        # every rank of the group runs as many (FSDP2's forwards and backwards are collectives):
+        # a rank with a smaller share runs spare forwards of its first row, adding nothing
+        for k in range(agreed_count(self, -(-n // mbs))):
+            rows = slice(k * mbs, min((k + 1) * mbs, n))
+            if rows.start >= n:
+                spare = (input_ids[:1], attention_mask[:1])
+                yield None, lambda spare=spare: _plain(lambda: self.forward_logprobs(*spare)), 0
+                continue
+            yield rows, lambda rows=rows: _plain(lambda: self.forward_logprobs(input_ids[rows], attention_mask[rows])), \
+                (rows.stop - rows.start) * width
 
     @torch.no_grad()
     def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
@@ -338,3 +379,16 @@ class FSDP2Backend:
         specs = wire_specs(self.refit_specs(), dtype_name)
         boxes = {n: (start, tuple(a + k for a, k in zip(start, t.shape))) for n, (start, t) in self.local_shards().items()}
         return gather_source_layout(boxes, specs, self.group if self.sharded else None)
+
+
+@contextlib.contextmanager
+def _plain(run):
+    yield run()
+
+
+@contextlib.contextmanager
+def _spans_and(model, p, run):
+    from .mamba_segments import segments
+
+    with segments(model, [p.segments]):
+        yield run()

@@ -56,7 +56,8 @@ def separate_pass_reason(cfg, rows: Sequence, version: Optional[int], dp_size: i
     if a.ref_kl_coef > 0 and a.ref_kl.apply_to == "reward":
         return "algo.ref_kl.apply_to=reward: the KL penalty enters the rewards before the advantages"
     per_rank = -(-n // max(dp_size, 1))
-    if a.mismatch.seq_logprob_error_threshold is not None and per_rank > tr.micro_batch_size:
+    several = tr.packing or per_rank > tr.micro_batch_size  # packed micro-batches: counted by tokens
+    if a.mismatch.seq_logprob_error_threshold is not None and several:
         return "algo.mismatch.seq_logprob_error_threshold with several micro-batches: the loss's denominator first"
     return None
 

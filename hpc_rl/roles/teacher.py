@@ -35,10 +35,11 @@ class TeacherRole:
         # inference only, with the teacher's own parallel sizes (every rank scores all rows)
         checkpoint = t.checkpoint or cfg.model.path  # the reference model's default: the student's start
         precision = t.precision or cfg.trainer.precision  # the reference's default: the student's
-        # the teachers run trainer.backend with the trainer's log-prob chunking and token budget
+        # the teachers run trainer.backend with the trainer's log-prob chunking, token budget and packing
         self.backend = build_backend(cfg.trainer.backend, BackendSpec(
             checkpoint, precision, ctx.device, ctx.groups.role, parallel=parallel_sizes(t.parallel),
-            logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, logprob_batch_tokens=cfg.trainer.logprob_batch_tokens))
+            logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, logprob_batch_tokens=cfg.trainer.logprob_batch_tokens,
+            packing=cfg.trainer.packing))
         self.router = router = TeacherRouter.from_config(cfg)
         ctx.log.info("teacher group %s (aliases %s) loaded from %s (%s backend)", group,
                      [a for a in router.checkpoints if router.group_of(a) == group], checkpoint, cfg.trainer.backend)

@@ -36,7 +36,8 @@ class TrainerRole:
             cfg.model.path, cfg.trainer.precision, ctx.device, ctx.groups.role, train=cfg.trainer,
             parallel=parallel_sizes(cfg.trainer.parallel), sequence_parallel=cfg.trainer.sequence_parallel,
             logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, logprob_batch_tokens=cfg.trainer.logprob_batch_tokens,
-            activation_checkpointing=cfg.trainer.activation_checkpointing))
+            activation_checkpointing=cfg.trainer.activation_checkpointing, packing=cfg.trainer.packing,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens or cfg.trainer.max_seq_len))
         p = cfg.trainer.parallel
         # the checkpoint's HF class in the log: which model family the run really trains
         arch = ",".join(json.loads((Path(cfg.model.path) / "config.json").read_text()).get("architectures") or ["?"])
