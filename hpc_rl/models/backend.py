@@ -89,6 +89,9 @@ class BackendSpec:
     logprob_chunk_tokens: Any = None
     logprob_batch_tokens: Any = None
     activation_checkpointing: bool = False
+    # trainer.cpu_offload (fsdp2, the student only): FSDP2 keeps parameters, gradients and
+    # optimizer state in host memory and steps the optimizer there
+    cpu_offload: bool = False
 
 
 def parallel_sizes(p: Any) -> Dict[str, Any]:
