@@ -54,6 +54,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("engines/vllm_args.py", "inputs"),
     ("slurm/preflight.py", "cluster"),
     ("config/support.py", "refused"),
+    ("config/support_memory.py", "refused"),
 ]
 KINDS = {
     "checked": "checked by validation on every launch, the dry run included (exit 2, nothing submitted)",

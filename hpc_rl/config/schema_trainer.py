@@ -1,5 +1,6 @@
 """The student's optimizer and learning-rate schedule (`trainer.optimizer`, `trainer.scheduler`)
-and the trainer's memory keys (`trainer.logprob_*`, `trainer.activation_checkpointing`), beside schema.py.
+and the trainer's memory keys (`trainer.logprob_*`, `trainer.activation_checkpointing`,
+`trainer.cpu_offload`, `trainer.megatron.*`), beside schema.py.
 
 Its comments document the keys like schema.py's do (hpc_rl/config/reference.py reads both).
 """
@@ -29,6 +30,45 @@ class SchedulerConfig(Traced):
     warmup_start_lr: float = 0.0  # linear ramp from this to optimizer.lr over warmup_steps
 
 
+# megatron-core's selective recompute modules this mapping passes on (TransformerConfig.recompute_modules);
+# mla_up_proj is left out: no architecture the megatron backend loads has multi-latent attention
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
+
+
+@dataclass
+class MegatronMemoryConfig(Traced):
+    """hpc_rl/models/megatron/memory.py maps these onto megatron-core's TransformerConfig and
+    OptimizerConfig. The fsdp2 backend refuses them: its keys are trainer.activation_checkpointing and
+    trainer.cpu_offload."""
+
+    # Activation recompute: none keeps every activation; full recomputes whole transformer layers in the
+    # backward (set recompute_method and recompute_num_layers); selective recomputes parts of each layer
+    # (recompute_modules). trainer.activation_checkpointing=true is the same as full, uniform, 1 layer.
+    # Nemotron-H's MambaStack has no full recompute in megatron-core 0.16: refused there.
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    # With full: uniform recomputes the layers of each pipeline stage in groups of recompute_num_layers
+    # (which must divide the stage's layers); block recomputes the first recompute_num_layers layers of
+    # each stage and keeps the rest's activations. Unset otherwise.
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    # With full: layers per recompute group (uniform) or recomputed layers per pipeline stage (block),
+    # 1 to the layers of a stage. Unset otherwise (megatron-core requires it unset with selective).
+    recompute_num_layers: Optional[int] = None
+    # With selective: the parts of each layer recomputed, of core_attn, mlp, moe, moe_act, layernorm,
+    # shared_experts (moe_act needs Transformer Engine's grouped GEMM; moe and moe_act need an MoE model,
+    # shared_experts one with shared experts, mlp dense MLP layers). None: megatron-core's default,
+    # core_attn. Unset otherwise.
+    recompute_modules: Optional[List[str]] = None
+    # Megatron-core's hybrid optimizer: the distributed optimizer's fp32 main weights, Adam moments and
+    # step for optimizer_offload_fraction of the parameters live in host memory and step on the CPU
+    # (HybridDeviceOptimizer, with the precision-aware optimizer so that no fp32 main weights stay on
+    # the GPU); gradients go to the host and updated weights come back every step. AdamW only
+    # (trainer.optimizer.name=adamw).
+    optimizer_cpu_offload: bool = False
+    # The share of the optimizer's parameters (by element count) offloaded, in (0, 1]. Only with
+    # optimizer_cpu_offload.
+    optimizer_offload_fraction: float = 1.0
+
+
 @dataclass
 class TrainerMemoryConfig(Traced):
     """The trainer's memory-saving keys (fields of `trainer`; TrainerConfig takes them from here)."""
@@ -47,7 +87,9 @@ class TrainerMemoryConfig(Traced):
     logprob_batch_tokens: Optional[int] = None
     # Recompute each decoder block's activations in the backward instead of keeping them (torch's
     # non-reentrant checkpoint per block, applied before FSDP2 shards it): less memory, about one more
-    # forward of compute per train step. The student on fsdp2 only (teachers never run a backward).
+    # forward of compute per train step. The student only (teachers never run a backward). On the
+    # megatron backend it is megatron-core's full recompute of every layer (trainer.megatron:
+    # recompute_granularity=full, recompute_method=uniform, recompute_num_layers=1).
     activation_checkpointing: bool = False
     # Sequence packing: several samples share one row, each with its own position ids; attention
     # never crosses samples (a block-diagonal mask on CPU, variable-length attention on GPUs) and
@@ -60,3 +102,11 @@ class TrainerMemoryConfig(Traced):
     # placed first-fit by decreasing length. None: trainer.max_seq_len (the longest sample fits
     # alone). At least trainer.max_seq_len.
     micro_batch_tokens: Optional[int] = None
+    # FSDP2 CPU offload (torch's CPUOffloadPolicy): each rank's shards of the parameters, their gradients
+    # and the optimizer state live in host memory; a layer's shards go to the device for its all-gather,
+    # gradients come back after the reduce-scatter, and the optimizer steps on the CPU. Less device memory,
+    # a host copy of every layer per forward and backward. The student on fsdp2 over 2+ ranks (dp x cp),
+    # without tensor or expert parallel; the megatron backend's is trainer.megatron.optimizer_cpu_offload.
+    cpu_offload: bool = False
+    # megatron-core's activation recompute and optimizer offload for the student (trainer.backend=megatron).
+    megatron: MegatronMemoryConfig = field(default_factory=MegatronMemoryConfig)

@@ -24,6 +24,7 @@ from .errors import ConfigError, Violation
 from .keys import resolve
 from .schema import EnvConfig, RunConfig
 from .resources import gpus_per_node
+from .support_memory import memory_combinations
 
 
 @dataclass(frozen=True)
@@ -121,11 +122,16 @@ def _trainer_ep_runs(cfg: RunConfig) -> bool:
             and t.parallel.tp == 1 and t.parallel.cp == 1 and t.parallel.pp == 1 and t.parallel.etp == 1)
 
 
-# The trainer's memory keys (config/schema_trainer.py TrainerMemoryConfig) are fsdp2's: the megatron
-# backend computes its vocab-parallel log-probs over whole micro-batches and has no recompute
-# wired here (megatron-core's recompute_granularity is not mapped: it cannot be tested without a GPU).
+# The trainer's log-prob memory keys (config/schema_trainer.py TrainerMemoryConfig) are fsdp2's: the
+# megatron backend computes its vocab-parallel log-probs over whole micro-batches. Activation
+# recompute is both backends' (trainer.activation_checkpointing; megatron's own: trainer.megatron.*,
+# models/megatron/memory.py); CPU offload each backend's own key. Combinations: support_memory.py.
 _MEGATRON_MEMORY = ("the megatron backend of this version does not read {what}; it would be ignored "
                     "(the fsdp2 backend honours it: hpc_rl/models/chunked_logprobs.py, models/fsdp2.py)")
+_FSDP2_MEGATRON = ("the fsdp2 backend does not read trainer.megatron.* (megatron-core's recompute and optimizer "
+                   "offload); it would be ignored")
+_FSDP2_MEGATRON_FIX = ("leave {key} at its default with trainer.backend=fsdp2 (fsdp2's savers: "
+                       "trainer.activation_checkpointing, trainer.cpu_offload), or use trainer.backend=megatron on a GPU cluster")
 RULES: List[Rule] = [
     # trainer.backend=megatron: accepted on GPU clusters (validate.py refuses it where
     # cluster.gpus_per_node=0: megatron-core has no CPU path). Megatron honours tp, cp, ep,
@@ -185,11 +191,19 @@ RULES: List[Rule] = [
                                       "rows per forward)"),
          "leave {key} unset (null) with trainer.backend=megatron (set trainer.micro_batch_size), or use "
          "trainer.backend=fsdp2", example=16384, applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
-    Rule("trainer.activation_checkpointing", bool,
-         _MEGATRON_MEMORY.format(what="trainer.activation_checkpointing (megatron-core's recompute options are not "
-                                      "mapped in this version)"),
-         "set {key}=false with trainer.backend=megatron, or use trainer.backend=fsdp2", example=True,
+    Rule("trainer.cpu_offload", bool,
+         _MEGATRON_MEMORY.format(what="trainer.cpu_offload (FSDP2's offload policy; megatron-core offloads its "
+                                      "optimizer instead)"),
+         "set {key}=false with trainer.backend=megatron; trainer.megatron.optimizer_cpu_offload=true puts its "
+         "optimizer state and step on the CPU", example=True,
          applies=_megatron, base=("cluster=h100", "trainer.backend=megatron")),
+    *[Rule(f"trainer.megatron.{name}", refuse, _FSDP2_MEGATRON, _FSDP2_MEGATRON_FIX, example=example, applies=_fsdp2)
+      for name, refuse, example in (("recompute_granularity", lambda v: v != "none", "full"),
+                                    ("recompute_method", lambda v: v is not None, "uniform"),
+                                    ("recompute_num_layers", lambda v: v is not None, 1),
+                                    ("recompute_modules", lambda v: v is not None, ["core_attn"]),
+                                    ("optimizer_cpu_offload", bool, True),
+                                    ("optimizer_offload_fraction", lambda v: v != 1.0, 0.5))],
 ]
 
 FACTS: List[Fact] = [
@@ -216,7 +230,7 @@ def _parallel_combinations(cfg: RunConfig) -> List[Violation]:
 
 def unsupported(cfg: RunConfig) -> List[Violation]:
     """Every setting of `cfg` this version of the runtime cannot honour (empty: it can run)."""
-    return [v for rule in RULES for v in rule.check(cfg)] + _parallel_combinations(cfg)
+    return [v for rule in RULES for v in rule.check(cfg)] + _parallel_combinations(cfg) + memory_combinations(cfg)
 
 
 def refuse_unsupported(cfg: RunConfig) -> None:

@@ -90,14 +90,14 @@ class FSDP2Backend:
                    sequence_parallel=spec.sequence_parallel, logprob_chunk_tokens=spec.logprob_chunk_tokens,
                    logprob_batch_tokens=spec.logprob_batch_tokens,
                    activation_checkpointing=spec.activation_checkpointing, packing=spec.packing,
-                   micro_batch_tokens=spec.micro_batch_tokens)
+                   micro_batch_tokens=spec.micro_batch_tokens, cpu_offload=spec.cpu_offload)
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
                  optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu",
                  parallel: Optional[Dict[str, int]] = None, sequence_parallel: bool = False,
                  logprob_chunk_tokens: Optional[int] = None, logprob_batch_tokens: Optional[int] = None,
                  activation_checkpointing: bool = False, packing: bool = False,
-                 micro_batch_tokens: Optional[int] = None):
+                 micro_batch_tokens: Optional[int] = None, cpu_offload: bool = False):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -157,15 +157,22 @@ class FSDP2Backend:
 
             for layer in model.model.layers:
                 checkpoint(layer)
+        self.cpu_offload = bool(cpu_offload and train)
+        if self.cpu_offload and (self.dims.dp * self.dims.cp < 2 or self.dims.tp > 1 or self.ep):
+            # validation refuses these (config/support_memory.py): one rank has no FSDP2 to offload
+            # with; tensor parallel's 2-D parameters and expert parallel's ignored experts would stay
+            raise ValueError("trainer.cpu_offload needs FSDP2 over 2+ ranks (dp x cp) without tensor or expert parallel")
         if self.dims.dp * self.dims.cp > 1:
             # FSDP2 over dp (x tp inside) or, with cp, over the dp x cp ranks: the whole group
             tp_inside = self.dims.tp > 1
-            dp_mesh = self.mesh["dp"] if tp_inside else DeviceMesh.from_group(group, device_type=self.device.type)
+            dp_mesh = self.mesh["dp"] if tp_inside else DeviceMesh.from_group(self._fsdp_group(group),
+                                                                               device_type=self.device.type)
             mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=torch.float32)
             ignored = set(self.expert_params) or None  # expert parallel owns those
+            offload = self._offload_policy()
             for layer in model.model.layers:
-                fully_shard(layer, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
-            fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+                fully_shard(layer, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored, offload_policy=offload)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored, offload_policy=offload)
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.step_count = 0
@@ -182,6 +189,27 @@ class FSDP2Backend:
         else:
             model.eval()
             model.requires_grad_(False)
+
+    def _offload_policy(self):
+        """trainer.cpu_offload: FSDP2's CPUOffloadPolicy keeps each rank's shards of the parameters,
+        their gradients and (the optimizer is built over those shards) the optimizer state in host
+        memory; FSDP2 copies a layer's shards to the device for its all-gather and its gradients
+        back after the reduce-scatter, and the optimizer steps on the CPU. Pinned host memory
+        (faster copies) needs an accelerator; on CPU clusters the copies are CPU to CPU."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+
+    def _fsdp_group(self, group):
+        """The group FSDP2's mesh runs over. With CPU offload on GPUs the gradients FSDP2 hands
+        back live in host memory, and the collectives over them (the grad-norm all-reduce in
+        clip_grad_norm_, full state dicts) need a CPU backend beside NCCL: the same ranks with
+        gloo for CPU tensors (torchtitan does the same). NOT RUN on a GPU yet (no GPU lent);
+        on CPU clusters the group is gloo already."""
+        if not (self.cpu_offload and self.device.type == "cuda"):
+            return group
+        return dist.new_group(dist.get_process_group_ranks(group), backend="cuda:nccl,cpu:gloo",
+                              use_local_synchronization=True)
 
     def _autocast(self):
         # Under FSDP2 (dp x cp > 1) its mixed precision policy casts; otherwise autocast does.

@@ -135,6 +135,27 @@ def _check_megatron_layout(out: List[Violation], key: str, path: str, section, c
                              f"choose {key}.parallel sizes that split this checkpoint (docs/megatron.md)"))
 
 
+def _check_megatron_recompute(out: List[Violation], path: str, trainer) -> None:
+    """The student's recompute on megatron against its checkpoint's layers (models/megatron/memory.py)."""
+    import json
+
+    from hpc_rl.models.megatron.memory import recompute_kwargs, recompute_problems
+    from hpc_rl.models.megatron.nemotron_h_mapping import dims_of
+
+    kw = recompute_kwargs(trainer)
+    try:
+        problems = recompute_problems(dims_of(json.loads((Path(path) / "config.json").read_text())), trainer.parallel.pp, kw)
+    except Exception:  # noqa: BLE001 - _check_megatron_layout names a config that cannot be mapped
+        problems = []
+    # the key that asked for it: recompute_granularity, or activation_checkpointing standing for full
+    for key in ("trainer.megatron.recompute_granularity", "trainer.activation_checkpointing"):
+        if problems and (key == "trainer.activation_checkpointing") == (trainer.megatron.recompute_granularity == "none"):
+            out.extend(Violation(f"{key}", kw["recompute_granularity"], f"{path} on the megatron backend: {problem}",
+                                 "fit trainer.megatron.recompute_* to this checkpoint (docs/megatron.md, memory savers), or "
+                                 "set trainer.activation_checkpointing=false and trainer.megatron.recompute_granularity=none")
+                       for problem in problems)
+
+
 def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -> None:
     """A vLLM engine of tensor parallel `tp` gives each worker whole attention and key/value
     heads and an equal slice of the MLP (the refit's destination layout splits them evenly;
@@ -242,6 +263,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         else:
             _check_megatron_layout(out, "trainer", resolved, cfg.trainer, cfg.cluster, cfg.trainer.sequence_parallel,
                                    cfg.trainer.max_seq_len)
+            _check_megatron_recompute(out, resolved, cfg.trainer)
         _check_engine_split(out, resolved, cfg.generator.parallel.tp, cfg.generator.parallel.ep)
         out.extend(engine_problems(cfg, resolved))
         from hpc_rl.engines.vllm_args import engine_option_problems

@@ -37,7 +37,8 @@ class TrainerRole:
             parallel=parallel_sizes(cfg.trainer.parallel), sequence_parallel=cfg.trainer.sequence_parallel,
             logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, logprob_batch_tokens=cfg.trainer.logprob_batch_tokens,
             activation_checkpointing=cfg.trainer.activation_checkpointing, packing=cfg.trainer.packing,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens or cfg.trainer.max_seq_len))
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens or cfg.trainer.max_seq_len,
+            cpu_offload=cfg.trainer.cpu_offload))
         p = cfg.trainer.parallel
         # the checkpoint's HF class in the log: which model family the run really trains
         arch = ",".join(json.loads((Path(cfg.model.path) / "config.json").read_text()).get("architectures") or ["?"])
@@ -89,10 +90,13 @@ class TrainerRole:
         if self._refit_want is None:
             wire = wire_specs({n: (t.shape, t.dtype) for n, (_, t) in live.items()}, vllm_dtype(self.cfg.generator.precision))
             self._refit_want = {n: getattr(torch, d) for n, (_, d) in wire.items()}
-        if all(t.dtype == self._refit_want[n] for n, (_, t) in live.items()):
+        # the rank's device too: with trainer.cpu_offload (fsdp2) the shards live in host memory,
+        # and the GPU transports (NCCL, CUDA IPC) send from device memory
+        device = torch.device(self.ctx.device)
+        if all(t.dtype == self._refit_want[n] and t.device == device for n, (_, t) in live.items()):
             return {self.rank: live}
         if self._refit_cast is None:
-            self._refit_cast = {n: (start, t.to(self._refit_want[n])) for n, (start, t) in live.items()}
+            self._refit_cast = {n: (start, t.to(device=device, dtype=self._refit_want[n])) for n, (start, t) in live.items()}
         else:
             for n, (_, t) in live.items():
                 self._refit_cast[n][1].copy_(t)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU check of the Megatron backend (issues #16, #25) on one GPU: a tiny Llama built here, the
 # backend's bf16 log-probs against the Hugging Face model's, one train step, one NaN-loss step that
-# must be skipped with the weights unchanged (issue 43; NOT RUN on a GPU yet), then a refit
+# must be skipped with the weights unchanged (issue 43; NOT RUN on a GPU yet), the memory savers
+# (issue 44; NOT RUN on a GPU yet: a step with full recompute and one with the optimizer's CPU
+# offload against a plain one, loss and update equality and peak memory in "memory_savers"; the
+# offload needs Transformer Engine, else it is recorded as refused), then a refit
 # into a vLLM engine on the same GPU with token_mult_prob_error <= 1.01 (bf16).
 # Needs the `gpu` extra (megatron-core, vLLM CUDA; Transformer Engine optional: without it
 # megatron-core's local layer specs are used). Fits in about 5 minutes on one H200.

@@ -30,7 +30,7 @@ from hpc_rl.runtime import sealed
 from hpc_rl.models.backend import BackendSpec, LossFn, Shards, parallel_sizes
 from hpc_rl.models.nonfinite import NonFiniteGuard, tensors_finite
 
-from . import config_map, nemotron_h_mapping
+from . import config_map, memory, nemotron_h_mapping
 from .greedy import greedy_rows
 from .hf_mapping import Style, hf_to_megatron, padded_vocab
 from .nemotron_h_mapping import NemotronHDims, dims_of
@@ -74,7 +74,12 @@ class MegatronBackend:
         hf_cfg, hf_state = read_hf(path)
         self.dims = dims_of(hf_cfg)
         te = have_te()
-        problem = config_map.check(hf_cfg, self.p, self.sp, self.max_seq_len, te=te)
+        # the student's activation recompute (trainer.activation_checkpointing / trainer.megatron.*);
+        # teachers never run a backward
+        recompute = memory.recompute_kwargs(train) if train is not None else {}
+        problems = [config_map.check(hf_cfg, self.p, self.sp, self.max_seq_len, te=te, recompute=recompute)]
+        problems += memory.offload_problems(train, te) if train is not None else []
+        problem = "; ".join(p for p in problems if p)
         if problem:
             raise ValueError(f"{path} on the megatron backend: {problem}")
         self.hybrid = isinstance(self.dims, NemotronHDims)
@@ -92,7 +97,8 @@ class MegatronBackend:
                              "install the gpu extra (transformer-engine) or set the role's parallel.cp=1")
         self.style = Style(te=te, grouped_experts=te and bool(self.dims.num_experts), padded_vocab=padded_vocab(self.dims.vocab, self.p.tp))
         tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=self.c.tp, ep_rank=self.c.ep, etp_rank=self.c.etp)
-        self.tcfg = config_map.transformer_config(config_map.transformer_kwargs(hf_cfg, self.p, self.sp, precision, te=te))
+        self.tcfg = config_map.transformer_config({**config_map.transformer_kwargs(hf_cfg, self.p, self.sp, precision, te=te),
+                                                   **recompute})
         self.first, self.last = self.c.pp == 0, self.c.pp == self.p.pp - 1
         if self.hybrid:  # megatron-core's hybrid stack: Mamba-2, attention, MLP and MoE layers by pattern
             from megatron.core.models.mamba import MambaModel

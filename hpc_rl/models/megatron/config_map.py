@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from . import nemotron_h_config
 from .hf_mapping import MappingError, ModelDims, padded_vocab
+from .memory import optimizer_offload_kwargs, recompute_problems
 from .nemotron_h_mapping import NemotronHDims, dims_of
 from .shards import Parallel
 
@@ -121,13 +122,15 @@ def model_kwargs(hf: Mapping, p: Parallel, max_seq_len: int) -> Dict[str, Any]:
 
 def optimizer_kwargs(train: Any, precision: str) -> Dict[str, Any]:
     """megatron.core.optimizer.OptimizerConfig arguments from trainer.optimizer: the
-    distributed optimizer (optimizer state sharded over data-parallel ranks)."""
+    distributed optimizer (optimizer state sharded over data-parallel ranks); with
+    trainer.megatron.optimizer_cpu_offload its hybrid CPU/GPU optimizer (memory.py)."""
     o = train.optimizer
     return dict(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
                 adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.grad_clip,
                 # trainer.optimizer.name: adamw decouples the decay, adam adds it to the gradient
                 decoupled_weight_decay=o.name == "adamw",
-                bf16=precision == "bf16", fp16=precision == "fp16", use_distributed_optimizer=True)
+                bf16=precision == "bf16", fp16=precision == "fp16", use_distributed_optimizer=True,
+                **optimizer_offload_kwargs(train))
 
 
 def ddp_kwargs() -> Dict[str, Any]:
@@ -182,8 +185,12 @@ def parallel_of(section: Any, world: int) -> Parallel:
     return Parallel(tp=q.tp, cp=q.cp, dp=world // inner, pp=q.pp, ep=q.ep, etp=q.etp)
 
 
-def check(hf: Mapping, p: Parallel, sequence_parallel: bool, max_seq_len: int, te: bool = True) -> Optional[str]:
+def check(hf: Mapping, p: Parallel, sequence_parallel: bool, max_seq_len: int, te: bool = True,
+          recompute: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """Every reason this checkpoint cannot be built on this mesh, joined (None: it builds);
+    `recompute`: the student's recompute arguments (memory.recompute_kwargs), checked against its layers."""
     d = dims_of(hf)
     problems = (nemotron_h_config.layout_problems(hf, d, p, sequence_parallel, max_seq_len, te)
                 if isinstance(d, NemotronHDims) else layout_problems(d, p, sequence_parallel, max_seq_len))
+    problems += recompute_problems(d, p.pp, recompute or {}, te)
     return "; ".join(problems) if problems else None

@@ -4,7 +4,9 @@ One process, one GPU: a tiny Llama checkpoint is built here; the Megatron backen
 (bf16, Transformer Engine layer specs when TE is installed, else megatron-core's local
 specs); its log-probs are compared with the Hugging Face model's in bf16 on the same tokens;
 it takes one train step (the weights must move, the loss and grad norm must be finite), then
-one with a NaN loss (it must be skipped, the weights unchanged: models/nonfinite.py);
+one with a NaN loss (it must be skipped, the weights unchanged: models/nonfinite.py); then the
+memory savers (gpu_memory_check.py: a step with full recompute and one with the optimizer's CPU
+offload against a plain one, loss and update equality, peak memory; Llama only, NOT RUN yet);
 then its weights go into a vLLM engine on the same GPU through the refit planner, and the
 engine's sampled tokens' log-probs are compared with the backend's:
 
@@ -126,6 +128,18 @@ def run(out: dict, tmp: Path, model: str = "llama") -> None:
     if not (nan["nonfinite_skipped"] == 1.0 and same):
         raise RuntimeError(f"a NaN loss was not skipped cleanly: {out['nonfinite_step']}")
 
+    if model == "llama":  # Nemotron-H's MambaStack has no full recompute (models/megatron/memory.py)
+        out["stage"] = "memory savers"
+        from hpc_rl.config.schema_trainer import MegatronMemoryConfig
+
+        from .gpu_memory_check import run_variants
+
+        def variant(megatron=None, **kw):
+            return TrainerConfig(backend="megatron", precision="bf16", micro_batch_size=4, megatron=MegatronMemoryConfig(**(megatron or {})),
+                                 optimizer=OptimizerConfig(name="adamw", lr=1e-3, grad_clip=1.0), **kw)
+
+        out["memory_savers"] = run_variants(str(ckpt), b, loss_fn, variant)
+
     out["stage"] = "refit into vLLM"
     from hpc_rl.refit.vllm_engine import VLLMGenerator, refit_in_process
 
@@ -163,7 +177,8 @@ def main() -> int:
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["traceback"] = traceback.format_exc()[-4000:]
         out["seconds"] = time.perf_counter() - t0
-        out["passed"] = out.get("stage") == "done" and all(out.get(k, 9.0) <= g for k, g in GOALS.items())
+        out["passed"] = (out.get("stage") == "done" and all(out.get(k, 9.0) <= g for k, g in GOALS.items())
+                         and out.get("memory_savers", {}).get("passed", True))
         code = 0 if out["passed"] else 1
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")

@@ -4,7 +4,10 @@ The CPU tests (tests/test_tensor_parallel.py) run the same comparisons over gloo
 ranks are GPUs and talk NCCL. A random Llama, one fixed batch, fp32: the dp-only backend on
 one GPU against tp=2 (with and without sequence parallel) and dp=2 (FSDP2) on two GPUs:
 log-probs and, after one optimizer step, the whole weights, within 1e-5 (the issue's
-bound). Needs 2 GPUs (NCCL refuses two ranks of one communicator on one device); with
+bound). dp=2 also with trainer.cpu_offload (FSDP2's CPUOffloadPolicy: shards, gradients and the
+optimizer step on the host, the grad-norm over a cuda:nccl,cpu:gloo group), recording each
+layout's peak device memory (rank 0, torch.cuda.max_memory_allocated) beside plain dp=2's; NOT
+RUN on a GPU yet. Needs 2 GPUs (NCCL refuses two ranks of one communicator on one device); with
 fewer it writes a result saying it did not run.
 
     python -m hpc_rl.models.parallel.gpu_check [--out bench/results/parallel_gpu.json]
@@ -18,7 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-LAYOUTS = {"tp2_sp": ({"tp": 2}, True), "tp2": ({"tp": 2}, False), "dp2": ({}, False)}
+# name -> (parallel sizes, sequence parallel, trainer.cpu_offload)
+LAYOUTS = {"tp2_sp": ({"tp": 2}, True, False), "tp2": ({"tp": 2}, False, False), "dp2": ({}, False, False),
+           "dp2_cpu_offload": ({}, False, True)}
 
 
 def _batch():
@@ -43,7 +48,7 @@ def _opt():
     return OptimConfig(lr=1e-3)
 
 
-def _worker(rank: int, ckpt: str, store: str, out: str, parallel: dict, sp: bool) -> None:
+def _worker(rank: int, ckpt: str, store: str, out: str, parallel: dict, sp: bool, offload: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -55,7 +60,7 @@ def _worker(rank: int, ckpt: str, store: str, out: str, parallel: dict, sp: bool
     try:
         ids, attn = _batch()
         b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=_opt(), device=f"cuda:{rank}", parallel=parallel,
-                         sequence_parallel=sp)
+                         sequence_parallel=sp, cpu_offload=offload)
         mine = slice(b.dp_rank, None, b.dp_size)
         t0 = time.perf_counter()
         lp = b.logprobs(ids[mine], attn[mine])
@@ -69,11 +74,13 @@ def _worker(rank: int, ckpt: str, store: str, out: str, parallel: dict, sp: bool
         def loss_fn(l, rows):
             return -(l * mask[rows].to(l.device).float()).sum() / attn.float().sum(), {}
 
+        torch.cuda.reset_peak_memory_stats()
         b.train_step(ids[mine], attn[mine], loss_fn)
         torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
         state = b.full_state_dict()
         if rank == 0:
-            torch.save({"lp": full, "state": state, "seconds": time.perf_counter() - t0}, out)
+            torch.save({"lp": full, "state": state, "seconds": time.perf_counter() - t0, "peak": peak}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -104,15 +111,16 @@ def main() -> None:
             ref.train_step(ids, attn, _loss(attn))
             ref_state = ref.full_state_dict()
             result["layouts"] = {}
-            for name, (parallel, sp) in LAYOUTS.items():
+            for name, (parallel, sp, offload) in LAYOUTS.items():
                 out = str(Path(d) / f"{name}.pt")
-                mp.start_processes(_worker, args=(ckpt, str(Path(d) / f"{name}.store"), out, parallel, sp), nprocs=2,
+                mp.start_processes(_worker, args=(ckpt, str(Path(d) / f"{name}.store"), out, parallel, sp, offload), nprocs=2,
                                    join=True, start_method="spawn")
                 got = torch.load(out)
                 lp_diff = float((got["lp"] - ref_lp).abs().max())
                 w_diff = max(float((got["state"][n].cpu() - t.cpu()).abs().max()) for n, t in ref_state.items())
                 result["layouts"][name] = {"logprob_max_abs_diff": lp_diff, "weights_max_abs_diff": w_diff,
-                                           "ok": lp_diff <= 1e-5 and w_diff <= 1e-5, "seconds": got["seconds"]}
+                                           "ok": lp_diff <= 1e-5 and w_diff <= 1e-5, "seconds": got["seconds"],
+                                           "train_step_peak_bytes_rank0": got["peak"]}
         result["ran"] = True
         result["ok"] = all(v["ok"] for v in result["layouts"].values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
