@@ -1,4 +1,4 @@
-"""Sequence packing (hpc_rl/models/packing.py, packed_passes.py, mamba_segments.py; issue 44):
+"""Sequence packing (hpc_rl/models/packing.py, forward_passes.py, mamba_segments.py; issue 44):
 packed and padded rows give the same log-probs, loss and gradients on a dense Llama, Qwen3-MoE
 and Nemotron-H (hybrid Mamba), one process and FSDP2 over 2 gloo ranks with uneven shares;
 the Mamba state reset is what makes Nemotron-H agree (without it, planted here, it does not).
@@ -20,7 +20,7 @@ import torch
 
 from hpc_rl.models.assets import ModelSpec, MoeModelSpec, NemotronHModelSpec, save_untrained
 from hpc_rl.models.fsdp2 import FSDP2Backend
-from hpc_rl.models.packing import first_fit_bins, pack, row_lengths, unpack
+from hpc_rl.models.packing import first_fit_bins, micro_batches, pack, row_lengths, unpack
 from gloo_ranks import run_ranks
 
 SPECS = {"llama": ModelSpec(hidden=32, intermediate=64, layers=2, heads=2, max_positions=128),
@@ -82,20 +82,31 @@ def _step_grads(backend: FSDP2Backend, ids, attn, micro_batch_size=None):
 def test_bins_pack_unpack_roundtrip():
     ids, attn = rl_batch()
     lengths = row_lengths(attn)
-    bins = first_fit_bins(lengths, 64)
+    width = ids.shape[1]
+    bins = first_fit_bins(lengths, width)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    assert all(sum(lengths[i] for i in b) <= width for b in bins) and len(bins) < len(lengths)
     assert first_fit_bins(lengths, 0) == [list(range(len(lengths)))]
-    p = pack(ids, lengths, bins[0], multiple=8)
-    assert p.input_ids.shape[1] % 8 == 0 and p.tokens == sum(lengths[i] for i in bins[0])
-    # the packed position ids restart at every sample
-    for o, n in zip(p.offsets, p.lengths):
-        assert p.position_ids[0, o:o + n].tolist() == list(range(n))
-    # unpacking the packed row's own token ids as "log-probs" returns each sample's ids after position 0
-    back = unpack(p, p.input_ids.float(), ids.shape[1])
-    for k, r in enumerate(p.rows):
-        assert back[k, 1:lengths[r]].tolist() == ids[r, 1:lengths[r]].float().tolist()
-        assert back[k, 0] == 0 and not back[k, lengths[r]:].any()
+    # micro-batches: rows x the longest row within the budget, at least one row each, every sample once
+    parts = micro_batches(lengths, width, 2 * width)
+    assert sorted(i for part in parts for row in part for i in row) == list(range(len(lengths)))
+    assert all(len(part) <= 2 for part in parts) and len(parts) > 1
+    p = pack(ids, lengths, parts[0], multiple=8)
+    assert p.input_ids.shape[1] % 8 == 0 and p.input_ids.shape[1] <= width + 7
+    assert p.tokens == sum(lengths[i] for row in parts[0] for i in row)
+    for (r, o, n), i in zip(p.places, p.samples):
+        # each sample's tokens and position ids (restarting at 0) in its packed row
+        assert p.position_ids[r, o:o + n].tolist() == list(range(n))
+        assert p.input_ids[r, o:o + n].tolist() == ids[i, :n].tolist()
+    # spans cover each packed row exactly (samples, then the row's own pad span)
+    for r, spans in enumerate(p.spans):
+        assert spans[0][0] == 0 and spans[-1][1] == p.input_ids.shape[1]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # unpacking the packed rows' own token ids as "log-probs" returns each sample's ids after position 0
+    back = unpack(p, p.input_ids.float(), width)
+    for k, i in enumerate(p.samples):
+        assert back[k, 1:lengths[i]].tolist() == ids[i, 1:lengths[i]].float().tolist()
+        assert back[k, 0] == 0 and not back[k, lengths[i]:].any()
     attn_holes = attn.clone()
     attn_holes[1, 0] = 0
     with pytest.raises(ValueError, match="holes"):
@@ -114,9 +125,9 @@ def test_packed_equals_padded_one_rank(ckpts, family):
     assert not lp_pack[~mask].any()  # nothing past a sample's end
     out_pad, g_pad = _step_grads(padded, ids, attn, micro_batch_size=2)
     out_pack, g_pack = _step_grads(packed, ids, attn)
-    assert out_pack["micro_batches"] == len(first_fit_bins(row_lengths(attn), 64)) > 1
-    # the forwards' padding: the padded rows' is the batch's (pairs padded to the longer), the packed none
-    assert out_pack["padding_share"] == 0 and out_pad["padding_share"] > 0.2
+    assert out_pack["micro_batches"] == len(micro_batches(row_lengths(attn), ids.shape[1], 64)) > 1
+    # the forwards' padding: the padded rows' is the batch's, the packed rows' only their tails
+    assert out_pack["padding_share"] < out_pad["padding_share"] and out_pad["padding_share"] > 0.2
     assert abs(out_pad["loss"] - out_pack["loss"]) <= VALUE_TOL
     assert _grad_gap(g_pad, g_pack) <= GRAD_RTOL
     # the updated weights too (same gradients, same Adam step)

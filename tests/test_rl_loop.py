@@ -69,9 +69,10 @@ def test_tiny_mopd_three_steps_locally(tiny_mopd_three_steps):
         assert set(r["accuracy"]) == {"add_agent", "mul_agent"} and 0.0 <= r["reward_mean"] <= 1.0
         # 32 prompts x 2 generations = 64 samples in minibatches of trainer.global_batch_size=32
         assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0
-        # packed (shared_runs.PACKED): no padding in the train forwards, several micro-batches of
-        # <= 256 tokens per minibatch; token_mult_prob_error above compares packed log-probs to vLLM's
-        assert r["padding_share"] == 0 and r["micro_batches"] >= 2
+        # packed (shared_runs.PACKED): each minibatch's 32 samples (~20 tokens) in a few micro-batches
+        # of <= 256 tokens (the padded path would run 32 of trainer.micro_batch_size=1);
+        # token_mult_prob_error above compares the packed trainer's log-probs to vLLM's
+        assert 2 <= r["micro_batches"] <= 8 and 0 <= r["padding_share"] < 1
         assert {"generate_s", "score_s", "train_s", "refit_s", "step_s"} <= set(r["timing"])
     assert rows[0]["teacher_accuracy"] == {"add_agent": 1.0, "mul_agent": 1.0}
     _check_rollouts(run, 3, {"add_agent": "add", "mul_agent": "mul"})

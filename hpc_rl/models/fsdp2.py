@@ -8,7 +8,6 @@ i given tokens < i, and position 0 holds 0 (nothing predicts the first token).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -21,7 +20,7 @@ from hpc_rl.precision import torch_dtype
 from .backend import BackendSpec, LossFn, Shards
 from .chunked_logprobs import next_token_logprobs, token_logprobs  # noqa: F401 (importable from here)
 from .nonfinite import NonFiniteGuard
-from .packed_passes import agreed_count, logprob_pass, packed_rows_logprobs, train_micro_batches
+from .forward_passes import packed_logprob_pass, padded_logprob_pass, train_micro_batches
 # the launcher checks checkpoints before any rank starts, without importing torch
 # (models/checkpoint_check.py); the names stay importable from here
 from .checkpoint_check import ARCHITECTURE_NAMES, SUPPORTED_ARCHITECTURES, CheckpointError, check_checkpoint  # noqa: F401
@@ -111,7 +110,7 @@ class FSDP2Backend:
         # chunk None: sized by the vocabulary (models/chunked_logprobs.py chunk_tokens_for)
         self.chunk_tokens = None if logprob_chunk_tokens is None else int(logprob_chunk_tokens)
         self.batch_tokens = DEFAULT_LOGPROB_BATCH_TOKENS if logprob_batch_tokens is None else int(logprob_batch_tokens)
-        # trainer.packing: several samples per row (models/packing.py, packed_passes.py); the train
+        # trainer.packing: several samples per row (models/packing.py, forward_passes.py); the train
         # step's micro-batches hold at most micro_batch_tokens tokens (None: a row of its own each)
         self.packing = bool(packing)
         self.micro_batch_tokens = int(micro_batch_tokens) if micro_batch_tokens else None
@@ -252,32 +251,10 @@ class FSDP2Backend:
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The no-grad pass (student log-probs, teachers), in forwards of at most
-        `batch_tokens` padded tokens (one row at least). Every rank of the group runs as many
-        forwards (FSDP2 and tp/cp forwards are collectives): the count is agreed, and a rank
-        with fewer rows runs its first row again for each forward it lacks, its output dropped."""
+        `batch_tokens` tokens, packed with trainer.packing (models/forward_passes.py)."""
         if self.packing:
-            return logprob_pass(self, input_ids, attention_mask)
-        n, t = input_ids.shape
-        rows = n if not self.batch_tokens else max(1, self.batch_tokens // max(t, 1))
-        count = -(-n // rows) if n else 0
-        if self.sharded:
-            agreed = torch.tensor([count], device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-            count = int(agreed)
-        if count <= 1 and n:
-            return self.forward_logprobs(input_ids, attention_mask)
-        out = []
-        for k in range(count):
-            part = slice(k * rows, min((k + 1) * rows, n))
-            if part.start < n:
-                out.append(self.forward_logprobs(input_ids[part], attention_mask[part]))
-            else:  # a forward the other ranks run; its output is no row of ours
-                spare = (input_ids[:1], attention_mask[:1]) if n else (input_ids.new_zeros((1, t)),
-                                                                       attention_mask.new_ones((1, t)))
-                self.forward_logprobs(*spare)
-        if not n:
-            return torch.zeros((0, t), device=self.device)
-        return torch.cat(out)
+            return packed_logprob_pass(self, input_ids, attention_mask)
+        return padded_logprob_pass(self, input_ids, attention_mask)
 
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn: LossFn,
                    micro_batch_size: Optional[int] = None) -> Dict[str, float]:
@@ -293,7 +270,7 @@ class FSDP2Backend:
             g["lr"] = lr
         n = input_ids.shape[0]
         total, metrics, count, fwd_tokens = 0.0, {}, 0, 0
-        for rows, lp_of, tokens in self._micro_batches(input_ids, attention_mask, micro_batch_size):
+        for rows, lp_of, tokens in train_micro_batches(self, input_ids, attention_mask, micro_batch_size):
             count += 1
             fwd_tokens += tokens if rows is not None else 0
             with lp_of() as lp:
@@ -324,31 +301,6 @@ class FSDP2Backend:
         pad = 1.0 - float(attention_mask.sum()) / fwd_tokens if fwd_tokens else 0.0
         return {**metrics, "loss": total, "lr": lr, "grad_norm": norm, "micro_batches": count,
                 "padding_share": pad, **skip}
-
-    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch_size: Optional[int]):
-        """(rows, a context giving their [rows, T] log-probs with gradients, the forward's token
-        count) per micro-batch:
-        `micro_batch_size` rows at a time (None: all), or with packing one packed row of at
-        most micro_batch_tokens tokens (rows None: a spare forward, packed_passes.py). The
-        context spans the backward too: recomputed Mamba mixers keep their sample spans."""
-        width = input_ids.shape[1]
-        if self.packing:
-            for rows, p in train_micro_batches(self, input_ids, attention_mask):
-                yield rows, lambda p=p: _spans_and(self.model, p, lambda: packed_rows_logprobs(self, p, width)), \
-                    p.input_ids.shape[1]
-            return
-        n = input_ids.shape[0]
-        mbs = max(n, 1) if not micro_batch_size or micro_batch_size >= n else micro_batch_size
-        # every rank of the group runs as many (FSDP2's forwards and backwards are collectives):
-        # a rank with a smaller share runs spare forwards of its first row, adding nothing
-        for k in range(agreed_count(self, -(-n // mbs))):
-            rows = slice(k * mbs, min((k + 1) * mbs, n))
-            if rows.start >= n:
-                spare = (input_ids[:1], attention_mask[:1])
-                yield None, lambda spare=spare: _plain(lambda: self.forward_logprobs(*spare)), 0
-                continue
-            yield rows, lambda rows=rows: _plain(lambda: self.forward_logprobs(input_ids[rows], attention_mask[rows])), \
-                (rows.stop - rows.start) * width
 
     @torch.no_grad()
     def greedy(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
@@ -407,16 +359,3 @@ class FSDP2Backend:
         specs = wire_specs(self.refit_specs(), dtype_name)
         boxes = {n: (start, tuple(a + k for a, k in zip(start, t.shape))) for n, (start, t) in self.local_shards().items()}
         return gather_source_layout(boxes, specs, self.group if self.sharded else None)
-
-
-@contextlib.contextmanager
-def _plain(run):
-    yield run()
-
-
-@contextlib.contextmanager
-def _spans_and(model, p, run):
-    from .mamba_segments import segments
-
-    with segments(model, [p.segments]):
-        yield run()
