@@ -32,7 +32,7 @@ from .validate_async import check_in_flight
 from .validate_data import check_validation
 from .validate_generator import check_generator
 from .validate_logging import check_logging
-from .validate_memory import check_memory
+from .validate_memory import check_memory, check_memory_keys
 from .validate_rundir import check_run_dir
 
 
@@ -383,6 +383,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_logging,
     check_agentic,
     check_run_dir,
+    check_memory_keys,
 ]
 
 
