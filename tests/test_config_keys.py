@@ -95,7 +95,8 @@ def test_runtime_reads_are_recorded_and_validation_or_test_reads_are_not():
     assert "algo.loss.kind" not in got
     assert "algo.ref_kl_coef" in got  # the planner places a reference role when it is > 0
     assert {"trainer.nodes", "trainer.parallel.tp", "teachers.*.parallel.tp"} <= set(got)
-    assert got["trainer.parallel.tp"] == {"hpc_rl.plan.job_plan"}
+    # the planner's layout, and its memory figures (config/memory_inputs.py reads on their behalf)
+    assert got["trainer.parallel.tp"] == {"hpc_rl.plan.job_plan", "hpc_rl.plan.memory_plan"}
     assert not any(k.startswith("teachers.general") for k in got)  # dict entries read as teachers.*
 
 

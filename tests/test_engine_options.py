@@ -23,7 +23,8 @@ def test_every_argument_the_project_sets_is_in_the_refusal_table():
 
 def test_cuda_graphs_on_gpu_clusters_eager_on_cpu_and_the_options_pass_through():
     g = SimpleNamespace(enforce_eager=None, kv_cache_dtype="fp8", engine_args={"block_size": 32})
-    assert engine_options(g, on_gpu=True) == {"enforce_eager": False, "kv_cache_dtype": "fp8", "block_size": 32}
+    assert engine_options(g, on_gpu=True) == {"enforce_eager": False, "kv_cache_dtype": "fp8", "block_size": 32,
+                                              "max_num_batched_tokens": 16384}  # GPU_BATCHED_TOKENS
     assert engine_options(g, on_gpu=False)["enforce_eager"] is True
     g.enforce_eager = True
     assert engine_options(g, on_gpu=True)["enforce_eager"] is True

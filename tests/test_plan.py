@@ -60,7 +60,10 @@ def test_dry_run_prints_table_and_writes_plan(tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     doc = json.loads((run_dir / "plan.json").read_text())
     assert doc == json.loads(out.read_text())
-    assert doc["total_nodes"] == 224 and set(doc) == {"recipe", "total_nodes", "roles"}
+    assert doc["total_nodes"] == 224 and set(doc) == {"recipe", "total_nodes", "roles", "memory"}
+    # each model-holding role's bytes per GPU (hpc_rl/memory/; tests/test_memory_model.py checks the figures)
+    assert set(doc["memory"]["roles"]) == {r["name"] for r in doc["roles"]} - {"env"}
+    assert "memory per GPU in GiB (gb200_nvl72: 184 GiB" in proc.stdout
     assert set(doc["roles"][0]) == {"name", "nodes", "gpus_per_node", "tasks_per_node", "parallel", "segment_size"}
     # the job side reads the resolved config from the run directory, never Hydra state
     saved = (run_dir / "config.yaml").read_text()

@@ -49,6 +49,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate_algo.py", "checked"),
     ("config/validate_dynamic_sampling.py", "checked"),
     ("config/validate_memory.py", "checked"),
+    ("config/validate_memory_plan.py", "checked"),
     ("rl/inputs.py", "inputs"),
     ("rl/heldout.py", "inputs"),
     ("engines/vllm_args.py", "inputs"),

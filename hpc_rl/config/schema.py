@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 from .schema_agentic import AgenticConfig
 from .schema_algo import AlgoConfig, ValidationConfig
+from .schema_model import ModelShapeConfig
 from .schema_trainer import OptimizerConfig, SchedulerConfig, TrainerMemoryConfig
 from .trace import Traced
 
@@ -78,6 +79,13 @@ class ClusterConfig(Traced):
     domain_pattern: Optional[str] = None  # regex with (?P<domain>...) over host names
     # Fail before training when no trusted source places the nodes (NVL72: EP across racks stalls).
     require_topology: bool = False
+    # Memory of one GPU in GiB (2^30 bytes), as torch.cuda.get_device_properties(0).total_memory / 2**30
+    # reports it. The plan states each role's bytes per GPU against it (hpc_rl/memory/) and a launch
+    # refuses a role that does not fit. None: unknown (CPU clusters): figures only, no fit check.
+    gpu_memory_gib: Optional[float] = None
+    # Share of gpu_memory_gib the trainer and teachers do not plan for: the CUDA context, NCCL's
+    # buffers, the caching allocator's fragmentation. (The generator's share is generator.gpu_memory_utilization.)
+    gpu_memory_headroom: float = 0.1
 
 
 @dataclass
@@ -123,6 +131,8 @@ class ModelConfig(Traced):
     architecture: str = "llama"
     params_b: Optional[float] = None  # total parameters, billions
     num_experts: Optional[int] = None  # routed experts per MoE layer; None for dense models
+    # The sizes memory planning uses while the checkpoint's config.json cannot be read (estimates).
+    shape: ModelShapeConfig = field(default_factory=ModelShapeConfig)
 
 
 @dataclass

@@ -32,9 +32,9 @@ PACKAGE = "hpc_rl."
 # validate, support, and schema, whose dataclass-generated __init__/__eq__/__repr__ run with
 # the schema module's globals) and the dry run's display.
 NOT_HONOURING = ("hpc_rl.config.", "hpc_rl.plan.report")
-# Helpers that read for their caller (role sections, derived dp, teacher groups): the first
-# frame outside them decides.
-ON_BEHALF = ("hpc_rl.config.resources",)
+# Helpers that read for their caller (role sections, derived dp, teacher groups; the memory
+# model's inputs): the first frame outside them decides.
+ON_BEHALF = ("hpc_rl.config.resources", "hpc_rl.config.memory_inputs")
 
 _reads: Dict[Tuple[str, str], Set[str]] = {}  # (path, field) -> modules that read it
 _UNSEEN = object()

@@ -33,6 +33,7 @@ from .validate_data import check_validation
 from .validate_generator import check_generator
 from .validate_logging import check_logging
 from .validate_memory import check_memory
+from .validate_memory_plan import check_memory_keys
 from .validate_packing import check_packing
 from .validate_rundir import check_run_dir
 
@@ -385,6 +386,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_logging,
     check_agentic,
     check_run_dir,
+    check_memory_keys,
 ]
 
 

