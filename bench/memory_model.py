@@ -41,6 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# the resident-set readings of /proc (VmRSS, VmHWM and its reset), as the log-prob memory bench takes them
+from logprob_memory import _reset_peak, _status  # noqa: E402
 
 # name -> hidden, layers, heads, kv heads, intermediate, vocab, tokens, activation checkpointing
 CASES = {
@@ -78,18 +82,6 @@ FIRST_RUN = {
                     "end of each backward chunk (one chunk's logits at a time, as its docstring says)"],
 }
 MB = 2**20
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status figure in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
 def _checkpoint(path: Path, hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tokens: int) -> str:

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Tuple
 
+from hpc_rl.models.hybrid_pattern import BLOCK_LETTERS, MIXERS, read_pattern  # noqa: F401 (importable here)
+
 # transformers 5 writes Nemotron-H's layers as `layers_block_type`, NVIDIA's checkpoints as
 # `hybrid_override_pattern` (models/megatron/nemotron_h_mapping.py reads both the same way)
-BLOCK_LETTERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
-                 "moe": "E"}
-MIXERS = "*-EM"
 
 
 class ShapeError(ValueError):
@@ -117,17 +116,9 @@ def _get(cfg: Mapping, *names, default=None):
 
 
 def _pattern(cfg: Mapping) -> str:
-    if cfg.get("hybrid_override_pattern"):
-        pattern = str(cfg["hybrid_override_pattern"])
-    else:
-        types = cfg.get("layers_block_type") or []
-        unknown = sorted({t for t in types if t not in BLOCK_LETTERS})
-        if unknown:
-            raise ShapeError(f"layers_block_type {unknown}: known are {sorted(BLOCK_LETTERS)}", "layers_block_type")
-        pattern = "".join(BLOCK_LETTERS[t] for t in types)
-    if not pattern or set(pattern) - set(MIXERS):
-        raise ShapeError(f"Nemotron-H layer pattern {pattern!r}: one of {' '.join(MIXERS)} per layer",
-                         "hybrid_override_pattern")
+    pattern, fault = read_pattern(cfg)
+    if fault:
+        raise ShapeError(fault[1], fault[0])
     return pattern
 
 

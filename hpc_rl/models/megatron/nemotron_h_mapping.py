@@ -36,26 +36,18 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
+from ..hybrid_pattern import BLOCK_LETTERS, read_pattern  # noqa: F401 (BLOCK_LETTERS importable here)
 from .hf_mapping import MappingError, ModelDims, Style, _pad_rows, interleave_qkv, split_qkv, taker
 
 # transformers 5 writes `layers_block_type`, NVIDIA's checkpoints `hybrid_override_pattern`
-BLOCK_LETTERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
-                 "moe": "E"}
 MAMBA_PARTS = ("conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")
 
 
 def pattern_of(cfg: Mapping) -> str:
     """The layer pattern, one letter per layer (M, *, -, E), from either config key."""
-    if cfg.get("hybrid_override_pattern"):
-        pattern = str(cfg["hybrid_override_pattern"])
-    else:
-        types = cfg.get("layers_block_type") or []
-        unknown = sorted({t for t in types if t not in BLOCK_LETTERS})
-        if unknown:
-            raise MappingError(f"Nemotron-H layers_block_type {unknown}: the Megatron mapping knows {sorted(BLOCK_LETTERS)}")
-        pattern = "".join(BLOCK_LETTERS[t] for t in types)
-    if not pattern or set(pattern) - set("M*-E"):
-        raise MappingError(f"Nemotron-H layer pattern {pattern!r}: one of M, *, -, E per layer")
+    pattern, fault = read_pattern(cfg)
+    if fault:
+        raise MappingError(f"Nemotron-H {fault[1]} (the Megatron mapping)")
     return pattern
 
 
