@@ -24,5 +24,5 @@ def read_pattern(cfg: Mapping) -> Tuple[str, Optional[Tuple[str, str]]]:
         pattern = "".join(BLOCK_LETTERS[t] for t in types)
     if not pattern or set(pattern) - set(MIXERS):
         return pattern, ("hybrid_override_pattern",
-                         f"Nemotron-H layer pattern {pattern!r}: one of {' '.join(MIXERS)} per layer")
+                         f"layer pattern {pattern!r}: one of M, *, -, E per layer")
     return pattern, None
