@@ -80,6 +80,8 @@ GROUP, MICRO, MAX_NEW = 8, 16, 16
 # one-NUMA-node, 2-core machine leaves one core to the rest ("Reducing Torch threads from 2 to
 # 1"); here the engine's OpenMP threads get both cores (vLLM's own environment variable)
 MODE_ENV = {"sync_vllm2": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, "async_vllm2": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
+# ablations of our side: every row trained (no zero-advantage skip, hpc_rl/roles/zero_advantage.py)
+MODE_OVERRIDES = {"sync_noskip": ["trainer.skip_zero_advantage=false"]}
 BETAS, EPS, WD, CLIP = [0.9, 0.999], 1e-8, 0.0, 1.0
 
 
@@ -234,7 +236,8 @@ def _reward_summary(rewards: List[float]) -> Dict:
 
 
 def run_ours(work: Path, name: str, model: str, params_b: float, data: Path, steps: int, seed: int, lr: float,
-             prompts: int, asynchronous: bool, env: Optional[Dict[str, str]] = None) -> Dict:
+             prompts: int, asynchronous: bool, env: Optional[Dict[str, str]] = None,
+             extra: Optional[List[str]] = None) -> Dict:
     run = work / name
     batch = prompts * GROUP
     overrides = ["+recipe=tiny_grpo", f"model.path={model}", "model.name=peer-bench", f"model.params_b={params_b:.5f}",
@@ -245,7 +248,7 @@ def run_ours(work: Path, name: str, model: str, params_b: float, data: Path, ste
                  f"trainer.optimizer.eps={EPS}", f"trainer.optimizer.weight_decay={WD}",
                  f"trainer.optimizer.grad_clip={CLIP}", "trainer.scheduler.warmup_steps=0", "trainer.scheduler.warmup_start_lr=0.0",
                  f"data.path={data}", "data.shuffle=false", "data.eval_prompts_per_task=0",
-                 "checkpoint.every_steps=100000", "checkpoint.export_final=true"]
+                 "checkpoint.every_steps=100000", "checkpoint.export_final=true", *(extra or [])]
     if asynchronous:
         overrides.append("algo.async_rollout.enabled=true")
     load0 = os.getloadavg()[0]
@@ -310,6 +313,11 @@ def run_ours(work: Path, name: str, model: str, params_b: float, data: Path, ste
            "step_end_to_end_s_mean": statistics.mean(wall_between) if wall_between else None,
            "samples_per_s_end_to_end": (sum(samples[1:]) / sum(wall_between)) if wall_between else None,
            "old_logprobs_path": sorted({r.get("old_logprobs_path") for r in steps_rows} - {None}),
+           # rows the train step trained (the rest had advantage 0: trainer.skip_zero_advantage), and the
+           # engine-vs-trainer agreement over the trained rows
+           "samples_trained_per_step": [r.get("samples_trained") for r in steps_rows],
+           "token_mult_prob_error_max": max((r["token_mult_prob_error"] for r in steps_rows
+                                             if r.get("token_mult_prob_error") is not None), default=None),
            "response_len_mean": statistics.mean(r["response_len_mean"] for r in steps_rows),
            "timing_per_step": [r["timing"] for r in steps_rows],
            **_reward_summary([r.get("reward_mean") for r in steps_rows]), "final_hf": str(run / "final_hf")}
@@ -371,8 +379,12 @@ def section(work: Path, args, kind: str, model: str, params_b: float, data: Dict
             if m == "trl":
                 r = run_trl(work, name, args.trl_python, model, data["train"], steps, seed, lr, args.prompts)
             else:
+                # the engine's KV cache sized for the model (the generator warns when a step does not fit:
+                # engines/kv_capacity.py; the tiny recipes' 0.06 holds 3 sequences of the 120M model)
+                extra = [f"generator.gpu_memory_utilization={args.gen_memory}", *MODE_OVERRIDES.get(m, [])]
                 r = run_ours(work, name, model, params_b, data["train"], steps, seed, lr, args.prompts,
-                             m.startswith("async"), MODE_ENV.get(m))
+                             m.startswith("async"), MODE_ENV.get(m), extra)
+                r["extra_overrides"] = extra
             if kind == "learn":
                 r["greedy_after"] = greedy_accuracy(r["final_hf"], model, data["heldout"])
             print(f"    {m} seed {seed}: {r['step_s_mean']:.2f} s/step, {r['samples_per_s']:.2f} samples/s, "
@@ -411,7 +423,9 @@ def main() -> int:
     p.add_argument("--learn-steps", type=int, default=30)
     p.add_argument("--speed-lr", type=float, default=1e-5)
     p.add_argument("--learn-lr", type=float, default=5e-4)
-    p.add_argument("--modes", nargs="+", default=["sync", "async", "trl"], choices=("sync", "async", "trl", *MODE_ENV))
+    p.add_argument("--modes", nargs="+", default=["sync", "sync_noskip", "trl"],
+                   choices=("sync", "async", "trl", *MODE_ENV, *MODE_OVERRIDES))
+    p.add_argument("--gen-memory", type=float, default=0.2, help="our generator.gpu_memory_utilization")
     p.add_argument("--key-suffix", default="", help="store the sections as speed<suffix> / learn<suffix>")
     p.add_argument("--heldout-per-task", type=int, default=32)
     p.add_argument("--trl-python", default=sys.executable, help="an interpreter with TRL installed")

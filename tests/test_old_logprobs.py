@@ -44,7 +44,10 @@ def _rows(n: int, version: int = 0, truncated=(), lengths=()):
                             response_ids=[0] * (lengths[i] if lengths else 8)) for i in range(n)]
 
 
-def _step(ckpt: str, overrides, separate: bool, truncated=(), lengths=(), ref_shift: float = 0.0):
+REWARDS = (1.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.0, 1.0)
+
+
+def _step(ckpt: str, overrides, separate: bool, truncated=(), lengths=(), ref_shift: float = 0.0, rewards=REWARDS):
     """One RL train step of 8 rows on a fresh student; the gradients the optimizer applied.
     Rows `truncated` were cut at max_tokens; `lengths` are their response lengths; the
     reference model's log-probs are the student's starting ones less `ref_shift` * noise."""
@@ -62,7 +65,7 @@ def _step(ckpt: str, overrides, separate: bool, truncated=(), lengths=(), ref_sh
     ref = lp - ref_shift * torch.rand(lp.shape, generator=torch.Generator().manual_seed(2))
     batch = SimpleNamespace(rows=_rows(8, 0, truncated, lengths), items=8, sibling_of=[], ref_logprobs=ref,
                             student_logprobs=lp if separate else None,
-                            rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25, 0.0, 1.0]), advantages=None,
+                            rewards=torch.tensor(rewards), advantages=None,
                             teacher_logprobs=lp - torch.rand(lp.shape, generator=g),
                             rollouts=SimpleNamespace(response_mask=mask, generation_logprobs=gen, input_ids=ids,
                                                      attention_mask=attn))

@@ -61,6 +61,10 @@ def test_tiny_mopd_three_steps_locally(tiny_mopd_three_steps):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_slow_train_step_was_waited_for(run)
     assert "reverse KL to teacher" in proc.stdout and "accuracy (greedy)" in proc.stdout
+    # the engine's KV cache as vLLM sized it (engines/kv_capacity.py): the tiny model's fits a step
+    kv = re.search(r"engine 0: KV cache of (\d+) tokens", (run / "logs" / "generator.0.err").read_text()
+                   + (run / "logs" / "generator.0.out").read_text())
+    assert kv and int(kv.group(1)) >= 64 * 128, "the generator's log names its KV cache size"
     rows = _steps(run)
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("step", 1), ("step", 2), ("step", 3), ("eval", 3)]
     for r in rows[1:4]:

@@ -102,6 +102,14 @@ class TrainerMemoryConfig(Traced):
     # placed first-fit by decreasing length. None: trainer.max_seq_len (the longest sample fits
     # alone). At least trainer.max_seq_len.
     micro_batch_tokens: Optional[int] = None
+    # Leave out of the train step the rows that train nothing: under GRPO a group of equal rewards has
+    # advantage 0 on every token (and the overlong filter may leave a row no trained token), so its
+    # loss and gradient are exactly 0. The loss's denominator still counts them, so the step's loss
+    # and gradients are the same; the forward and backward of those rows are saved. Not applied
+    # (the step's metrics say why) with MOPD, a reference KL term in the loss, or
+    # algo.mismatch.seq_logprob_error_threshold on the training forward's old log-probs
+    # (hpc_rl/roles/zero_advantage.py). false: every row is trained.
+    skip_zero_advantage: bool = True
     # FSDP2 CPU offload (torch's CPUOffloadPolicy): each rank's shards of the parameters, their gradients
     # and the optimizer state live in host memory; a layer's shards go to the device for its all-gather,
     # gradients come back after the reduce-scatter, and the optimizer steps on the CPU. Less device memory,

@@ -49,6 +49,12 @@ class VLLMEngine:
     def expert_parallel(self) -> bool:
         return self.vllm.expert_parallel
 
+    @property
+    def kv_cache_tokens(self) -> Tuple[int, int]:
+        """(tokens the engine's KV cache holds, its block size), as vLLM sized it at start."""
+        cc = self.vllm.llm.llm_engine.vllm_config.cache_config
+        return int(cc.num_gpu_blocks or 0) * int(cc.block_size), int(cc.block_size)
+
     def sample(self, messages: Sequence[Any], sampling: Sampling, seeds: Sequence[int],
                between_steps: Optional[Callable[[], None]] = None) -> List[SampleRow]:
         tok = self.vllm.tokenizer

@@ -28,7 +28,10 @@ GREEDY_STREAM, SAMPLED_STREAM, PASS_K_STREAM = 2, 3, 4  # seed streams of the ev
 def reverse_kl(b: Batch) -> Dict[str, float]:
     names = sorted(set(b.aliases))
     index = torch.tensor([names.index(a) for a in b.aliases])
-    return reverse_kl_per_teacher(b.student_logprobs, b.teacher_logprobs, b.rollouts.response_mask, index, names)
+    # rows the train step left out (trainer.skip_zero_advantage) have no trainer log-probs (NaN)
+    have = ~torch.isnan(b.student_logprobs).any(dim=1, keepdim=True)
+    return reverse_kl_per_teacher(b.student_logprobs.nan_to_num(0.0), b.teacher_logprobs,
+                                  b.rollouts.response_mask & have, index, names)
 
 
 def accuracy_by_task(records: Sequence[PromptRecord], correct: Optional[Sequence[Optional[bool]]]) -> Dict[str, float]:

@@ -28,7 +28,9 @@ def version_split_mult_prob_error(b: Batch, current: int) -> Dict[str, Any]:
     mask = b.rollouts.response_mask
     same = torch.tensor([x.version_first == current and x.version_last == current for x in b.rows], dtype=torch.bool)
     out: Dict[str, Any] = {"current_version_samples": int(same.sum())}
-    for key, rows in (("token_mult_prob_error", same), ("policy_change_mult_prob_error", ~same)):
+    # rows the train step left out (trainer.skip_zero_advantage) have no trainer log-probs: NaN
+    have = ~torch.isnan(b.student_logprobs).any(dim=1)
+    for key, rows in (("token_mult_prob_error", same & have), ("policy_change_mult_prob_error", ~same & have)):
         if bool(rows.any()):
             out[key] = token_mult_prob_error(b.rollouts.generation_logprobs, b.student_logprobs, mask & rows[:, None])
     return out

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 from hpc_rl.algo.routing import TeacherRouter
 from hpc_rl.config.resources import REFERENCE
 from hpc_rl.engines.base import EngineSpec, InferenceEngine
+from hpc_rl.engines.kv_capacity import kv_capacity_warning
 from hpc_rl.engines.registry import build_engine, build_follower
 from hpc_rl.engines.spanning import dead_worker_report, publish_master, read_master, report_dead_worker, seat_of
 from hpc_rl.messaging import p2p as exchange
@@ -47,6 +48,7 @@ class GeneratorRole:
                           ctx.ident.role_rank, ctx.ident.role_rank + self.seat.tasks - 1, host, port)
         self.engine: InferenceEngine = build_engine(g.backend, engine_spec(ctx, self.index, span))
         self.log.info("%s engine up (%s, %s)", g.backend, g.precision, ctx.device)
+        self._check_kv_capacity(ctx, routes)
         asy = cfg.algo.async_rollout
         self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
         self.in_flight: Dict[str, Any] = {}  # the in-flight refit of the order being sampled
@@ -149,6 +151,19 @@ class GeneratorRole:
         out = self.engine.refit(version, self.cfg.refit.timeout_s)
         self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))  # blocked on the transport
         return out
+
+    def _check_kv_capacity(self, ctx, routes: Routes) -> None:
+        """Warn when this engine's KV cache cannot hold a step's samples at once (kv_capacity.py)."""
+        if not hasattr(self.engine, "kv_cache_tokens"):
+            return
+        kv, block = self.engine.kv_cache_tokens
+        a, spec = self.cfg.algo, engine_spec(ctx, self.index, EngineSpan())
+        per_step = -(-a.prompts_per_step * a.generations_per_prompt // max(len(routes.generators), 1))
+        warning = kv_capacity_warning(kv, block, spec.max_model_len, per_step, self.cfg.generator.gpu_memory_utilization)
+        if warning:
+            self.log.warning("engine %d: %s", self.index, warning)
+        else:
+            self.log.info("engine %d: KV cache of %d tokens", self.index, kv)
 
     def _poll_in_flight(self) -> None:
         """Between scheduler steps: once the driver announces the refit, load it mid-generation."""

@@ -17,7 +17,7 @@ from hpc_rl.algo import (aggregate, denominator, grpo_advantages, importance_wei
                          per_token, policy_loss_tokens, sequence_keep_mask)
 from hpc_rl.models.backend import BackendSpec, TrainingBackend, parallel_sizes
 from hpc_rl.models.registry import build_backend
-from hpc_rl.roles import loss_terms
+from hpc_rl.roles import loss_terms, zero_advantage
 from hpc_rl.roles.old_logprobs import SEPARATE_PASS, TRAINING_FORWARD, ForwardLogprobs, separate_pass_reason
 from hpc_rl.precision import vllm_dtype
 from hpc_rl.refit.vllm_engine import SampleRow, pad_rows
@@ -192,13 +192,22 @@ class TrainerRole:
             train_mask = loss_mask
         n, dp = len(b.rows), self.backend.dp_size
         metrics: List[Dict[str, float]] = []
+        # rows that train nothing (advantage 0 on every trained token) are left out (zero_advantage.py)
+        skip_off = zero_advantage.skip_off_reason(self.cfg, adv, fwd is not None)
+        trains = zero_advantage.trains_something(adv, train_mask) if skip_off is None else None
+        trained: List[int] = []
         for start in range(0, n, tr.global_batch_size):
-            idx = torch.tensor(list(range(start, min(start + tr.global_batch_size, n)))[self.backend.dp_rank::dp])
+            rows = list(range(start, min(start + tr.global_batch_size, n)))
+            idx = torch.tensor(rows[self.backend.dp_rank::dp])
             # the rank's share's tokens or sequences: the loss's denominator (aggregation.py; with the
-            # threshold the shortcut runs one micro-batch per rank, which computes its own: None)
+            # threshold the shortcut runs one micro-batch per rank, which computes its own: None),
+            # counted over the whole share before rows that train nothing are left out
             denom = denominator(train_mask[idx], a.loss.aggregation)
             if fwd is not None and mm.seq_logprob_error_threshold is not None:
                 denom = None
+            if trains is not None:
+                mine, every = zero_advantage.rows_to_train(rows, dp, self.backend.dp_rank, trains)
+                idx, trained = torch.tensor(mine, dtype=torch.long), trained + every
 
             def loss_fn(lp, rows, idx=idx, denom=denom):
                 i = idx[rows]
@@ -225,6 +234,10 @@ class TrainerRole:
         if fwd is not None:  # the whole batch's, for the records and the metrics below
             b.student_logprobs = fwd.whole(tuple(mask.shape), self.ctx.groups.role,
                                            dist.get_world_size(self.ctx.groups.role))
+            if trains is not None:  # a row left out has no trainer log-probs: NaN in the records
+                left_out = torch.ones(n, dtype=torch.bool)
+                left_out[torch.tensor(trained, dtype=torch.long)] = False
+                b.student_logprobs[left_out] = float("nan")
             # MOPD's advantages need the whole batch's log-probs; GRPO's were computed before the step
             adv = b.advantages = adv if adv is not None else self.advantages(b)
             keep_seq = sequence_keep_mask(b.student_logprobs, r.generation_logprobs, mask, mm.seq_logprob_error_threshold)
@@ -245,6 +258,9 @@ class TrainerRole:
         out["nonfinite_skipped"], out["nonfinite_skipped_total"] = skipped, skipped_total
         # which pass gave the old log-probs (roles/old_logprobs.py); a late separate pass's seconds
         out["old_logprobs_path"] = path
+        out["samples_trained"] = len(trained) if trains is not None else n
+        if skip_off is not None:
+            out["zero_advantage_kept_because"] = skip_off
         if logprobs_s:
             out["late_logprobs_s"] = logprobs_s
         return out
