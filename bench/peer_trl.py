@@ -188,8 +188,11 @@ def make_prompts(work: Path, heldout_per_task: int) -> Dict:
     return {"train": tp, "heldout": hp, "train_rows": len(train), "heldout_rows": len(heldout)}
 
 
-def greedy_accuracy(model_dir: str, tokenizer_dir: str, heldout: Path, batch: int = 64) -> Dict:
-    """Greedy answers of the weights in model_dir (transformers, fp32), scored by the verifier."""
+def greedy_accuracy(model_dir: str, tokenizer_dir: str, heldout: Path, batch: int = 64, samples: int = 8) -> Dict:
+    """Greedy answers of the weights in model_dir (transformers, fp32), scored by the verifier; and
+    the mean reward of `samples` sampled answers per held-out prompt (temperature 1, a fixed seed):
+    the same evaluator for both sides, so neither side's own sampler or its draws of training prompts
+    enter the comparison (the training reward per step moves by +-0.1 with the prompts drawn)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -212,8 +215,22 @@ def greedy_accuracy(model_dir: str, tokenizer_dir: str, heldout: Path, batch: in
             text = tok.decode(ids, skip_special_tokens=True)
             correct.setdefault(r["task"], []).append(bool(score(r["task"], text, r["answer"]).correct))
     allc = [c for v in correct.values() for c in v]
+    torch.manual_seed(1234)
+    rewards: List[float] = []
+    for i in range(0, len(rows), batch // samples):
+        chunk = rows[i:i + batch // samples]
+        texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                         add_generation_prompt=True) for r in chunk]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=samples,
+                                 max_new_tokens=MAX_NEW, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        for k, ids in enumerate(out[:, enc["input_ids"].shape[1]:]):
+            r = chunk[k // samples]
+            rewards.append(float(score(r["task"], tok.decode(ids, skip_special_tokens=True), r["answer"]).reward))
     return {"accuracy": sum(allc) / len(allc), "n": len(allc),
-            "by_task": {k: sum(v) / len(v) for k, v in correct.items()}}
+            "by_task": {k: sum(v) / len(v) for k, v in correct.items()},
+            "sampled_reward": sum(rewards) / len(rewards), "sampled_n": len(rewards)}
 
 
 def _summary(step_s: List[float], samples: List[int], extra: Dict[str, List[float]]) -> Dict:
@@ -404,6 +421,7 @@ def section(work: Path, args, kind: str, model: str, params_b: float, data: Dict
                              "wait_rows_s_mean", "zero_advantage_sample_frac_mean")}
         if kind == "learn":
             out["ranges"][m]["greedy_after"] = _range([r["greedy_after"] for r in rs], "accuracy")
+            out["ranges"][m]["heldout_sampled_reward_after"] = _range([r["greedy_after"] for r in rs], "sampled_reward")
     if "trl" in runs:
         trl_sps = [r["samples_per_s"] for r in runs["trl"]]
         for m in modes:
