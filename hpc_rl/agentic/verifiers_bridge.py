@@ -54,6 +54,10 @@ DEFAULT_PYTHON = ".venv-verifiers/bin/python"
 UV_INDEX = "uv-index"  # in the virtualenv: what a harness's uv script may install, offline (envs/wheel_index.py)
 WORKER = Path(__file__).with_name("verifiers_worker.py")
 RELAY = Path(__file__).with_name("unix_bridge.py")  # the worker imports it from its own directory
+RENDERER = Path(__file__).with_name("verifiers_renderer.py")  # `renderer: pythonic`, loaded by verifiers' renderers
+# env.agentic.tool_parser (vLLM's name) -> the verifiers renderer reading the same format
+RENDERER_OF_TOOL_PARSER = {"pythonic": "pythonic", "hermes": "default:qwen3"}
+RENDERER_PREFIXES = ("default:", "custom:")
 DIR_PREFIX = "hpc_rl_verifiers_"  # a worker's 0700 jail directory under /tmp (jail.JailDir)
 EPISODE_FIELD = "hpc_rl_episode"  # verifiers_worker.EPISODE_FIELD (that module is the venv's: not imported here)
 REJECT_LABEL = "verifiers_proxy"  # the auth counters' kind for requests without the proxy's key
@@ -63,6 +67,25 @@ REJECT_LABEL = "verifiers_proxy"  # the auth counters' kind for requests without
 ALLOWED_SAMPLING = {EPISODE_FIELD, "stop_token_ids", "logprobs", "skip_special_tokens", "max_tokens",
                     "routed_experts_prompt_start"}
 ALLOWED_BODY = {"model", "token_ids", "sampling_params", "cache_salt", "priority"}
+
+
+def renderer_name(renderer: Optional[str], tool_parser: str) -> Optional[str]:
+    """env.agentic.verifiers.renderer, defaulted from env.agentic.tool_parser (None: verifiers'
+    own choice by model name)."""
+    return renderer if renderer else RENDERER_OF_TOOL_PARSER.get(tool_parser)
+
+
+def renderer_config(name: Optional[str]) -> Optional[dict]:
+    """The renderers config (verifiers' TrainClientConfig.renderer) a renderer name stands for."""
+    if not name:
+        return None
+    if name == "pythonic":
+        return {"name": "custom", "import_path": f"{RENDERER}:PythonicRenderer"}
+    if name.startswith("default:"):
+        return {"name": "default", "tool_parser": name[len("default:"):]}
+    if name.startswith("custom:"):
+        return {"name": "custom", "import_path": name[len("custom:"):]}
+    return {"name": name}
 
 
 def venv_python(path: str = DEFAULT_PYTHON) -> Path:
@@ -152,7 +175,7 @@ def jailed(python: Path, files, home: str, read_only=()) -> list:
     # uv (the venv's) prepares a harness's PEP 723 program; with no network it installs from the
     # virtualenv's local index (`make verifiers-env` fills it for the null harness's program)
     uv = {"UV_DEFAULT_INDEX": (python.parent.parent / UV_INDEX).as_uri(), "UV_PYTHON_DOWNLOADS": "never"}
-    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), *read_only], env=uv,
+    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), str(RENDERER), *read_only], env=uv,
                 path=f"{python.parent}:/usr/local/bin:/usr/bin:/bin")
     return jail.argv([str(python), *files])
 
@@ -241,7 +264,9 @@ class VerifiersEpisode:
     of the verifiers venv); `taskset_args`: that taskset's config fields; `harness` and
     `runtime`: verifiers' agent harness id and runtime type; `python`: the venv's interpreter
     (relative to the repo); `renderer_model`: the tokenizer verifiers renders with (the
-    policy's); `model_name`: what the proxy answers to."""
+    policy's); `renderer`: the renderers config it renders and parses tool calls with
+    (`renderer_config`; None: verifiers' choice by model name); `model_name`: what the proxy
+    answers to."""
 
     taskset: str
     renderer_model: str
@@ -251,8 +276,10 @@ class VerifiersEpisode:
     python: str = DEFAULT_PYTHON
     model_name: str = "hpc_rl"
     start_timeout_s: float = 600.0
+    renderer: Optional[dict] = None
 
     def __post_init__(self):
+        self._logged_kinds: set = set()
         self._lock = threading.Lock()
         self.proxy: Optional[Proxy] = None
         self.worker: Optional[Worker] = None
@@ -271,7 +298,8 @@ class VerifiersEpisode:
                 sock = f"{self.home.path}/proxy.sock"
                 self.proxy.serve_unix(sock)  # the worker's only way out of its network namespace
                 init = {"op": "init", "env": self.env_config(), "model": self.model_name,
-                        "renderer_model": self.renderer_model, "proxy_socket": sock, "key": self.proxy.key}
+                        "renderer_model": self.renderer_model, "renderer": self.renderer, "proxy_socket": sock,
+                        "key": self.proxy.key}
                 renderer = [self.renderer_model] if Path(self.renderer_model).exists() else []
                 self.worker = Worker(venv_python(self.python), init, self.home.path, renderer, self.start_timeout_s)
                 log.info("verifiers %s: %s over %s (%d tasks), harness %s, runtime %s", self.worker.info["verifiers"],
@@ -298,13 +326,20 @@ class VerifiersEpisode:
             raise live.failure
         if out["errors"]:
             e = out["errors"][-1]
+            if e["type"] not in self._logged_kinds:  # the first of each kind whole (a tool server's stderr tail)
+                self._logged_kinds.add(e["type"])
+                log.warning("verifiers %s: an episode failed with %s (the first of this kind; later ones are "
+                            "counted): %s", self.taskset, e["type"], e["message"])
             raise verifiers_error(e["type"], e["message"])
         # the rubric's sum and its weights come from the environment: NaN, text or None is this
         # episode's error, counted by kind (reward_check), never a NaN for the trainer
         reward = checked_reward(out.get("reward"), f"verifiers {self.taskset}")
         max_reward = checked_reward(out.get("max_reward"), f"verifiers {self.taskset} (max_reward)")
         correct = max_reward > 0 and reward >= max_reward  # every reward at its full score
-        return EpisodeResult(reward, correct, info={"verifiers_rewards": out["rewards"], "verifiers_turns": out["turns"]})
+        return EpisodeResult(reward, correct, info={"verifiers_rewards": out["rewards"], "verifiers_turns": out["turns"],
+                                                    "tool_calls": int(out.get("tool_calls", 0)),
+                                                    "tool_errors": len(out.get("tool_errors") or ()),
+                                                    "verifiers_tool_errors": list(out.get("tool_errors") or ())[:4]})
 
     def close(self) -> None:
         if self.worker is not None:
@@ -315,38 +350,79 @@ class VerifiersEpisode:
 
 PREFLIGHT = """
 import json, sys
-from verifiers.v1.utils.loaders import environment_class, resolve_env_config
-cfg = resolve_env_config(json.loads(sys.stdin.read()))
-print(json.dumps({"env": environment_class(cfg.taskset.id, cfg.id).__name__}))
+from verifiers.v1.utils.loaders import environment_class, load_environment, resolve_env_config
+req = json.loads(sys.stdin.read())
+cfg = resolve_env_config(req["env"])
+env_cls = environment_class(cfg.taskset.id, cfg.id).__name__
+env = load_environment(cfg)
+tasks = list(env.taskset)
+tools = [type(s).__name__ for s in env.taskset.toolsets(env.taskset.config)]
+if tasks:
+    tools += [type(s).__name__ for s in type(tasks[0]).toolsets(tasks[0].config)]
+problem = None
+try:
+    from renderers import create_renderer
+    from renderers.base import RENDERER_REGISTRY
+    from renderers.parsers import TOOL_PARSERS
+    from transformers import AutoTokenizer
+    from verifiers.v1 import TrainClientConfig
+    rc = TrainClientConfig(renderer=req["renderer"]).renderer
+    renderer = create_renderer(AutoTokenizer.from_pretrained(req["tokenizer"]), rc)
+    if tools and not getattr(renderer, "supports_tools", True):
+        problem = (type(renderer).__name__ + " reads no tool calls, and this taskset's tasks have tools ("
+                   + ", ".join(tools) + ")")
+except Exception as exc:
+    problem = type(exc).__name__ + ": " + str(exc)[:400]
+names = sorted(RENDERER_REGISTRY) if "RENDERER_REGISTRY" in dir() else []
+parsers = sorted(TOOL_PARSERS) if "TOOL_PARSERS" in dir() else []
+print(json.dumps({"env": env_cls, "tasks": len(tasks), "tools": tools, "renderer_problem": problem,
+                  "renderers": names, "tool_parsers": parsers}))
 """
 
 
-def preflight(v) -> list:
-    """Before a launch (launchers/runnable.py): the virtualenv's verifiers resolves and
-    validates the environment's config (the taskset importable, its args, the harness id,
-    the runtime type) without loading its tasks. `v`: env.agentic.verifiers. Returns
-    (key, value, why, fix) for each problem."""
+def preflight(v, tokenizer: str = "", tool_parser: str = "pythonic") -> list:
+    """Before a launch (launchers/runnable.py): the virtualenv's verifiers resolves, validates
+    and loads the environment (the taskset importable, its args, the harness id, the runtime
+    type), and builds the renderer (env.agentic.verifiers.renderer, or its default from
+    `tool_parser`) with the policy's `tokenizer`: a taskset with tools needs one that reads
+    tool calls. `v`: env.agentic.verifiers. Returns (key, value, why, fix) for each problem."""
     python = venv_python(v.python)
     if not python.exists():
         return []  # config/validate_agentic.py names the missing virtualenv
     if unavailable():
         return [("env.agentic.environment", "verifiers", unavailable(), "install bubblewrap on the env nodes")]
     env = episode_of(v).env_config()
+    name = renderer_name(v.renderer, tool_parser)
+    req = {"env": env, "renderer": renderer_config(name), "tokenizer": tokenizer}
     home = JailDir(DIR_PREFIX)  # in the jail the worker runs in: what resolves there, resolves for the worker
+    read_only = [tokenizer] if tokenizer and Path(tokenizer).exists() else []
     try:
-        proc = subprocess.run(jailed(python, ["-c", PREFLIGHT], home.path), input=json.dumps(env), capture_output=True,
-                              text=True, timeout=300, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        proc = subprocess.run(jailed(python, ["-c", PREFLIGHT], home.path, read_only), input=json.dumps(req),
+                              capture_output=True, text=True, timeout=300,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     except (OSError, subprocess.TimeoutExpired) as exc:
         proc = subprocess.CompletedProcess([], 1, "", f"{type(exc).__name__}: {exc}")
     finally:
         home.close()
-    if proc.returncode == 0:
-        return []
-    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
-    last = " | ".join(lines[-3:]) or f"rc {proc.returncode}"
-    return [("env.agentic.verifiers", env, f"verifiers could not resolve this environment: {last[:600]}",
-             "fix env.agentic.verifiers.taskset / taskset_args / harness / runtime, or install the taskset's package "
-             f"into {python.parent.parent}")]
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+        last = " | ".join(lines[-3:]) or f"rc {proc.returncode}"
+        return [("env.agentic.verifiers", env, f"verifiers could not load this environment: {last[:600]}",
+                 "fix env.agentic.verifiers.taskset / taskset_args / harness / runtime, or install the taskset's "
+                 f"package into {python.parent.parent} ({python.parent}/pip install -e DIR)")]
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [("env.agentic.verifiers", env, f"the preflight printed no answer: {proc.stdout[-300:]!r}",
+                 "run the taskset in the virtualenv by hand to see why")]
+    if out.get("renderer_problem"):
+        key = "env.agentic.verifiers.renderer" if v.renderer else "env.agentic.tool_parser"
+        value = v.renderer if v.renderer else tool_parser
+        return [(key, value, f"verifiers' renderer {name or 'auto'!r} for {tokenizer}: {out['renderer_problem']}",
+                 "set env.agentic.verifiers.renderer to the policy's format: `pythonic` ([f(a=\"1\")] calls), "
+                 f"`default:<tool parser>` ({', '.join(out.get('tool_parsers') or [])}), one of verifiers' renderers "
+                 f"({', '.join(out.get('renderers') or [])}), or `custom:<module.Class or file.py:Class>`")]
+    return []
 
 
 def episode_of(v) -> VerifiersEpisode:
