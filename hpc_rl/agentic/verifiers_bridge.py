@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from hpc_rl.envs.jail import Jail, JailDir, interpreter_paths, unavailable
+from hpc_rl.envs.jail import Jail, JailDir, interpreter_paths
 from hpc_rl.envs.reward_check import checked_reward
 
 from .contract import EpisodeResult, Truncated, stable_index
@@ -55,6 +55,7 @@ UV_INDEX = "uv-index"  # in the virtualenv: what a harness's uv script may insta
 WORKER = Path(__file__).with_name("verifiers_worker.py")
 RELAY = Path(__file__).with_name("unix_bridge.py")  # the worker imports it from its own directory
 RENDERER = Path(__file__).with_name("verifiers_renderer.py")  # `renderer: pythonic`, loaded by verifiers' renderers
+TOOLCHECK = Path(__file__).with_name("verifiers_toolcheck.py")  # the preflight's tool check, run in the venv
 # env.agentic.tool_parser (vLLM's name) -> the verifiers renderer reading the same format
 RENDERER_OF_TOOL_PARSER = {"pythonic": "pythonic", "hermes": "default:qwen3"}
 RENDERER_PREFIXES = ("default:", "custom:")
@@ -175,7 +176,8 @@ def jailed(python: Path, files, home: str, read_only=()) -> list:
     # uv (the venv's) prepares a harness's PEP 723 program; with no network it installs from the
     # virtualenv's local index (`make verifiers-env` fills it for the null harness's program)
     uv = {"UV_DEFAULT_INDEX": (python.parent.parent / UV_INDEX).as_uri(), "UV_PYTHON_DOWNLOADS": "never"}
-    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), str(RENDERER), *read_only], env=uv,
+    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), str(RENDERER), str(TOOLCHECK),
+                       *read_only], env=uv,
                 path=f"{python.parent}:/usr/local/bin:/usr/bin:/bin")
     return jail.argv([str(python), *files])
 
@@ -346,83 +348,6 @@ class VerifiersEpisode:
             self.worker.close()
         if getattr(self, "home", None) is not None:
             self.home.close()
-
-
-PREFLIGHT = """
-import json, sys
-from verifiers.v1.utils.loaders import environment_class, load_environment, resolve_env_config
-req = json.loads(sys.stdin.read())
-cfg = resolve_env_config(req["env"])
-env_cls = environment_class(cfg.taskset.id, cfg.id).__name__
-env = load_environment(cfg)
-tasks = list(env.taskset)
-tools = [type(s).__name__ for s in env.taskset.toolsets(env.taskset.config)]
-if tasks:
-    tools += [type(s).__name__ for s in type(tasks[0]).toolsets(tasks[0].config)]
-problem = None
-try:
-    from renderers import create_renderer
-    from renderers.base import RENDERER_REGISTRY
-    from renderers.parsers import TOOL_PARSERS
-    from transformers import AutoTokenizer
-    from verifiers.v1 import TrainClientConfig
-    rc = TrainClientConfig(renderer=req["renderer"]).renderer
-    renderer = create_renderer(AutoTokenizer.from_pretrained(req["tokenizer"]), rc)
-    if tools and not getattr(renderer, "supports_tools", True):
-        problem = (type(renderer).__name__ + " reads no tool calls, and this taskset's tasks have tools ("
-                   + ", ".join(tools) + ")")
-except Exception as exc:
-    problem = type(exc).__name__ + ": " + str(exc)[:400]
-names = sorted(RENDERER_REGISTRY) if "RENDERER_REGISTRY" in dir() else []
-parsers = sorted(TOOL_PARSERS) if "TOOL_PARSERS" in dir() else []
-print(json.dumps({"env": env_cls, "tasks": len(tasks), "tools": tools, "renderer_problem": problem,
-                  "renderers": names, "tool_parsers": parsers}))
-"""
-
-
-def preflight(v, tokenizer: str = "", tool_parser: str = "pythonic") -> list:
-    """Before a launch (launchers/runnable.py): the virtualenv's verifiers resolves, validates
-    and loads the environment (the taskset importable, its args, the harness id, the runtime
-    type), and builds the renderer (env.agentic.verifiers.renderer, or its default from
-    `tool_parser`) with the policy's `tokenizer`: a taskset with tools needs one that reads
-    tool calls. `v`: env.agentic.verifiers. Returns (key, value, why, fix) for each problem."""
-    python = venv_python(v.python)
-    if not python.exists():
-        return []  # config/validate_agentic.py names the missing virtualenv
-    if unavailable():
-        return [("env.agentic.environment", "verifiers", unavailable(), "install bubblewrap on the env nodes")]
-    env = episode_of(v).env_config()
-    name = renderer_name(v.renderer, tool_parser)
-    req = {"env": env, "renderer": renderer_config(name), "tokenizer": tokenizer}
-    home = JailDir(DIR_PREFIX)  # in the jail the worker runs in: what resolves there, resolves for the worker
-    read_only = [tokenizer] if tokenizer and Path(tokenizer).exists() else []
-    try:
-        proc = subprocess.run(jailed(python, ["-c", PREFLIGHT], home.path, read_only), input=json.dumps(req),
-                              capture_output=True, text=True, timeout=300,
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        proc = subprocess.CompletedProcess([], 1, "", f"{type(exc).__name__}: {exc}")
-    finally:
-        home.close()
-    if proc.returncode != 0:
-        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
-        last = " | ".join(lines[-3:]) or f"rc {proc.returncode}"
-        return [("env.agentic.verifiers", env, f"verifiers could not load this environment: {last[:600]}",
-                 "fix env.agentic.verifiers.taskset / taskset_args / harness / runtime, or install the taskset's "
-                 f"package into {python.parent.parent} ({python.parent}/pip install -e DIR)")]
-    try:
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return [("env.agentic.verifiers", env, f"the preflight printed no answer: {proc.stdout[-300:]!r}",
-                 "run the taskset in the virtualenv by hand to see why")]
-    if out.get("renderer_problem"):
-        key = "env.agentic.verifiers.renderer" if v.renderer else "env.agentic.tool_parser"
-        value = v.renderer if v.renderer else tool_parser
-        return [(key, value, f"verifiers' renderer {name or 'auto'!r} for {tokenizer}: {out['renderer_problem']}",
-                 "set env.agentic.verifiers.renderer to the policy's format: `pythonic` ([f(a=\"1\")] calls), "
-                 f"`default:<tool parser>` ({', '.join(out.get('tool_parsers') or [])}), one of verifiers' renderers "
-                 f"({', '.join(out.get('renderers') or [])}), or `custom:<module.Class or file.py:Class>`")]
-    return []
 
 
 def episode_of(v) -> VerifiersEpisode:

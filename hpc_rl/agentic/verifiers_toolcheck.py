@@ -1,0 +1,108 @@
+"""The preflight's tool check (issue 48): runs in the verifiers virtualenv, in the env rank's
+jail, before a job is submitted; imports nothing of hpc_rl (the standard library and
+verifiers' public API).
+
+For the first task of the loaded environment, each of its tool servers (`Task.toolsets`,
+`Taskset.toolsets`):
+  1. starts as verifiers starts it (`python -m <its module>`, its config in VF_CONFIG, the
+     port reported through MCP_PORT_FILE); a server that exits or reports no port within
+     `start_s` is a problem carrying its stderr (verifiers itself waits 180 s and then names
+     only the port file);
+  2. has each of its `@vf.tool` methods called once, in this process, after the server's own
+     `setup()` and `setup_task(task)`, with arguments made from the signature (a string "1",
+     a number 1, a boolean false, ...): a tool that raises is a problem naming the server, the
+     tool and the exception. What a tool answers is not judged, only that it answers.
+
+`check(env, start_s)` returns a list of problems, each {"server", "tool", "why"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SAMPLE = {str: "1", int: 1, float: 1.0, bool: False, list: [], dict: {}}
+
+
+def _sample(param: inspect.Parameter):
+    if param.default is not inspect.Parameter.empty:
+        return param.default
+    ann = param.annotation
+    if isinstance(ann, str):
+        ann = {"str": str, "int": int, "float": float, "bool": bool}.get(ann, str)
+    return SAMPLE.get(getattr(ann, "__origin__", ann), "1")
+
+
+def start_server(server, start_s: float) -> str:
+    """'' when the server reports its port; else why not (its stderr's tail)."""
+    with tempfile.TemporaryDirectory() as d:
+        port_file = os.path.join(d, "port")
+        env = dict(os.environ, VF_CONFIG=server.config.model_dump_json(), VF_STATE_URL="", VF_STATE_SECRET="",
+                   MCP_PORT_FILE=port_file)
+        with open(os.path.join(d, "stderr"), "w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", type(server).__module__], env=env, stdout=err, stderr=err,
+                                    stdin=subprocess.DEVNULL)
+            t0 = time.monotonic()
+            try:
+                while time.monotonic() - t0 < start_s:
+                    if os.path.exists(port_file) and open(port_file).read().strip().isdigit():
+                        return ""
+                    if proc.poll() is not None:
+                        break
+                    time.sleep(0.1)
+                err.seek(0)
+                tail = err.read()[-1500:].strip()
+                if proc.poll() is not None:
+                    return f"exited with rc {proc.returncode} before reporting its port: {tail or '(no output)'}"
+                return f"reported no port within {start_s:.0f} s: {tail or '(no output)'}"
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+async def call_tools(server, task, timeout_s: float) -> list:
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    name = type(server).__name__
+    problems = []
+    try:
+        await asyncio.wait_for(server.setup(), timeout_s)
+        await asyncio.wait_for(server.setup_task(task), timeout_s)
+    except Exception as exc:
+        return [{"server": name, "tool": None, "why": f"setup failed: {type(exc).__name__}: {exc}"[:800]}]
+    for fn in discover_decorated(server, "tool"):
+        tool = getattr(fn, "tool_name", None) or fn.__name__
+        try:
+            args = {p.name: _sample(p) for p in inspect.signature(fn).parameters.values()
+                    if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+            out = fn(**args)
+            if inspect.isawaitable(out):
+                await asyncio.wait_for(out, timeout_s)
+        except LookupError:  # a tool that reads verifiers' per-call state, which only a served call has
+            continue
+        except Exception as exc:
+            problems.append({"server": name, "tool": tool,
+                             "why": f"raised {type(exc).__name__}: {exc}"[:800] + f" (called with {args})"})
+    return problems
+
+
+def check(env, start_s: float = 30.0, timeout_s: float = 30.0) -> list:
+    tasks = list(env.taskset)
+    servers = list(env.taskset.toolsets(env.taskset.config))
+    task = tasks[0] if tasks else None
+    if task is not None:
+        servers += list(type(task).toolsets(task.config))
+    problems = []
+    for server in servers:
+        why = start_server(server, start_s)
+        if why:
+            problems.append({"server": type(server).__name__, "tool": None, "why": why})
+            continue
+        problems += asyncio.run(call_tools(server, task, timeout_s))
+    return problems
