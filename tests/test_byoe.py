@@ -1,74 +1,81 @@
-"""Bring your own environment (issue 48, docs/byoe.md): a user's tool-using verifiers taskset,
-written outside the repository with verifiers' public API only (tests/byoe_envs.py), installed
-into .venv-verifiers as the docs say, runs by configuration alone: the preflight (before
-submission) loads it, builds its renderer, starts its tool server and calls its tool; a planted
-broken tool fails the launch before anything is submitted, naming the tool; 2 GRPO steps run
-with the tool calls parsed and executed (counted per step), 0 environment errors, 0 changed
-policy tokens."""
+"""docs/byoe.md ("Bring your own environment", issue 48) stays true, and a user's own
+tool-using verifiers taskset runs by configuration alone. The page's command blocks marked
+`<!-- byoe-test -->` run, in order, in one bash session with WORK an empty directory outside
+the repository: they write a taskset with one tool server (verifiers' public API only, no
+copy of the repo's examples), install it into .venv-verifiers as the docs say, check it
+before submission (`--check`: the preflight loads it, builds its renderer, starts its tool
+server and calls its tool), show a planted broken tool failing there by name, and run 2 GRPO
+steps (one launch). The run's metrics must show tool calls parsed and executed on every step,
+0 environment errors and 0 changed policy tokens."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".venv-verifiers"
-# the tiny tool-using model writes `[calculator(expression="37*58")]`; lengths that hold a tool episode
-RUN = ["+recipe=tiny_verifiers_grpo", "model.path=tiny_agentic:teacher_calc", "env.agentic.verifiers.taskset=vf-calc",
-       "env.agentic.verifiers.taskset_args={num_tasks: '64'}", "env.agentic.max_turns=3", "env.agentic.max_tokens=256",
-       "generator.sampling.max_tokens=48", "generator.max_model_len=256", "trainer.max_seq_len=256",
-       "algo.prompts_per_step=4", "algo.generations_per_prompt=4", "trainer.global_batch_size=16",
-       "trainer.micro_batch_size=16", "data.samples_per_task=64", "data.eval_prompts_per_task=4",
-       "checkpoint.every_steps=2"]
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "byoe.md"
+VENV_PYTHON = REPO / ".venv-verifiers" / "bin" / "python"
+BLOCK = re.compile(r"<!-- byoe-test -->\n```bash\n(.*?)\n```", re.S)
+FENCE = re.compile(r"^```bash$", re.M)
+
+
+def blocks():
+    return BLOCK.findall(PAGE.read_text())
+
+
+def test_every_command_block_of_the_page_is_rehearsed():
+    text = PAGE.read_text()
+    assert len(blocks()) == len(FENCE.findall(text)) >= 5
+    body = "\n".join(blocks())
+    for needle in ("pip install", "--check", "broken_tool", "run.max_steps=2", "@vf.tool"):
+        assert needle in body, needle
 
 
 @pytest.fixture(scope="module")
-def user_taskset(env_interpreters_ready, tmp_path_factory):
-    from byoe_envs import write_verifiers_taskset
-
-    pkg = write_verifiers_taskset(tmp_path_factory.mktemp("user_env"))
-    pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "-e",
-           str(pkg)]
-    subprocess.run(pip, check=True, capture_output=True, text=True, timeout=300)
+def page_run(env_interpreters_ready, tmp_path_factory):
+    work = tmp_path_factory.mktemp("byoe")
+    assert not str(work).startswith(str(REPO))
+    script = "\n".join(["set -euo pipefail", "set -x", *blocks()])
+    # the page's `python` is the one this test runs under (hpc_rl installed)
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    t0 = time.monotonic()
     try:
-        yield pkg
+        proc = subprocess.run(["bash", "-c", script], cwd=work, capture_output=True, text=True, timeout=1200,
+                              env=dict(os.environ, WORK=str(work), HPC_RL=str(REPO), PATH=path))
+        yield work, proc, time.monotonic() - t0
     finally:
-        subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", "vf-calc"],
-                       capture_output=True, timeout=300)
+        subprocess.run([str(VENV_PYTHON), "-m", "pip", "uninstall", "--quiet", "-y", "vf-calc"], capture_output=True,
+                       timeout=300)
 
 
-def launch(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", *RUN, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=dict(os.environ))
-
-
-def test_a_planted_broken_tool_fails_before_submission_naming_it(user_taskset, tmp_path):
-    run = tmp_path / "run"
-    proc = launch(f"run.dir={run}", "env.agentic.verifiers.taskset_args={num_tasks: '64', broken_tool: 'true'}",
-                  timeout=300)
+def test_the_page_runs_from_an_empty_directory(page_run):
+    work, proc, took = page_run
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "tool server CalcTools, tool 'calculator': raised RuntimeError: planted: this tool is broken" in out, out[-3000:]
-    assert "env.agentic.verifiers.taskset" in out
-    assert not (run / "metrics.jsonl").exists()  # nothing ran
+    assert proc.returncode == 0, f"the page's commands failed (rc={proc.returncode}, {took:.0f}s):\n{out[-6000:]}"
+    assert "every check before submission passed" in out
+    print(f"the page's commands took {took:.1f}s")
 
 
-def test_a_renderer_without_tool_calls_is_refused_naming_the_fix(user_taskset, tmp_path):
-    proc = launch(f"run.dir={tmp_path / 'run'}", "env.agentic.verifiers.renderer=default", timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "env.agentic.verifiers.renderer" in out, out[-3000:]
-    assert "DefaultRenderer reads no tool calls" in out and "`pythonic`" in out, out[-3000:]
+def test_a_planted_broken_tool_fails_before_submission_naming_it(page_run):
+    work, proc, _ = page_run
+    broken = (work / "broken.txt").read_text()
+    assert "nothing was submitted" in broken, broken
+    assert "env.agentic.verifiers.taskset" in broken
+    assert "tool server CalcTools, tool 'calculator': raised RuntimeError: planted: this tool is broken" in broken
 
 
-def test_two_grpo_steps_with_the_users_tool_taskset(user_taskset, tmp_path):
-    run = tmp_path / "run"
-    proc = launch(f"run.dir={run}", "run.max_steps=2")
+def test_two_grpo_steps_call_the_users_tool_with_exact_trajectories(page_run):
+    work, proc, _ = page_run
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run = work / "runs" / "byoe"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s.get("kind") == "step"]
     assert [s["step"] for s in steps] == [1, 2]
@@ -77,4 +84,4 @@ def test_two_grpo_steps_with_the_users_tool_taskset(user_taskset, tmp_path):
         assert a["episodes"] == 16 and a["errors"] == 0 and a["failed"] == 0, a
         assert a["tool_calls"] > 0 and a["tool_errors"] == 0, a  # parsed by the renderer, run by the tool server
         assert a["changed_policy_tokens"] == 0, a
-        assert a["env_tokens"] > 0, a  # the tool's answers sit inside the trajectories
+        assert a["env_tokens"] > 0, a  # the tool's answers sit inside the trajectories (mask 0)

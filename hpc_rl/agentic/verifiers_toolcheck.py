@@ -2,8 +2,9 @@
 jail, before a job is submitted; imports nothing of hpc_rl (the standard library and
 verifiers' public API).
 
-For the first task of the loaded environment, each of its tool servers (`Task.toolsets`,
-`Taskset.toolsets`):
+The task class's `toolsets` is called with the taskset config's `task` (as verifiers does
+before each rollout); then, for the first task of the loaded environment, each of its tool
+servers (`Task.toolsets`, `Taskset.toolsets`):
   1. starts as verifiers starts it (`python -m <its module>`, its config in VF_CONFIG, the
      port reported through MCP_PORT_FILE); a server that exits or reports no port within
      `start_s` is a problem carrying its stderr (verifiers itself waits 180 s and then names
@@ -94,6 +95,13 @@ async def call_tools(server, task, timeout_s: float) -> list:
 
 def check(env, start_s: float = 30.0, timeout_s: float = 30.0) -> list:
     tasks = list(env.taskset)
+    try:  # as verifiers sizes its placement before every rollout (Env._requires_tunnel)
+        type(env.taskset).task_type().toolsets(env.taskset.config.task)
+    except Exception as exc:
+        return [{"server": "Task.toolsets", "tool": None,
+                 "why": (f"the task class's toolsets(<the taskset config's `task`>) raised {type(exc).__name__}: {exc}"
+                         " (verifiers calls it so before each rollout: give the taskset config a `task` field of "
+                         "the task's config type)")[:800]}]
     servers = list(env.taskset.toolsets(env.taskset.config))
     task = tasks[0] if tasks else None
     if task is not None:
