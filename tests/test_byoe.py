@@ -5,16 +5,20 @@ the repository: they write a taskset with one tool server (verifiers' public API
 copy of the repo's examples), install it into .venv-verifiers as the docs say, check it
 before submission (`--check`: the preflight loads it, builds its renderer, starts its tool
 server and calls its tool), show a planted broken tool failing there by name, and run 2 GRPO
-steps (one launch). The run's metrics must show tool calls parsed and executed on every step,
-0 environment errors and 0 changed policy tokens."""
+steps (one launch). The page's Gym blocks (a session of their own) write a NeMo Gym resources
+server with a tool in a directory outside the repository, check it and run 2 GRPO steps, with
+no bind or mkdir by hand. Each run's metrics must show tool calls parsed and executed on every
+step, 0 environment errors and 0 changed policy tokens."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,37 +27,58 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "byoe.md"
 VENV_PYTHON = REPO / ".venv-verifiers" / "bin" / "python"
-BLOCK = re.compile(r"<!-- byoe-test -->\n```bash\n(.*?)\n```", re.S)
+BLOCK = re.compile(r"<!-- byoe-test: (verifiers|gym) -->\n```bash\n(.*?)\n```", re.S)
 FENCE = re.compile(r"^```bash$", re.M)
 
 
-def blocks():
-    return BLOCK.findall(PAGE.read_text())
+def blocks(library: str):
+    return [body for lib, body in BLOCK.findall(PAGE.read_text()) if lib == library]
 
 
 def test_every_command_block_of_the_page_is_rehearsed():
     text = PAGE.read_text()
-    assert len(blocks()) == len(FENCE.findall(text)) >= 5
-    body = "\n".join(blocks())
+    assert len(BLOCK.findall(text)) == len(FENCE.findall(text)) >= 7
+    body = "\n".join(blocks("verifiers"))
     for needle in ("pip install", "--check", "broken_tool", "run.max_steps=2", "@vf.tool"):
+        assert needle in body, needle
+    body = "\n".join(blocks("gym"))
+    for needle in ("SimpleResourcesServer", "search_dirs", "--check", "run.max_steps=2"):
         assert needle in body, needle
 
 
-@pytest.fixture(scope="module")
-def page_run(env_interpreters_ready, tmp_path_factory):
-    work = tmp_path_factory.mktemp("byoe")
+def run_page(library: str, work: Path):
+    """The page's blocks for `library` in one bash session, WORK a directory outside the
+    repository and outside /tmp (which Gym's test interpreter binds anyway): under /var/tmp."""
     assert not str(work).startswith(str(REPO))
-    script = "\n".join(["set -euo pipefail", "set -x", *blocks()])
-    # the page's `python` is the one this test runs under (hpc_rl installed)
-    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    script = "\n".join(["set -euo pipefail", "set -x", *blocks(library)])
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"  # the page's `python`: this one
     t0 = time.monotonic()
+    proc = subprocess.run(["bash", "-c", script], cwd=work, capture_output=True, text=True, timeout=1200,
+                          env=dict(os.environ, WORK=str(work), HPC_RL=str(REPO), PATH=path))
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture
+def outside_dir():
+    work = Path(tempfile.mkdtemp(prefix="hpc_rl_byoe_", dir="/var/tmp"))
+    work.chmod(0o755)
     try:
-        proc = subprocess.run(["bash", "-c", script], cwd=work, capture_output=True, text=True, timeout=1200,
-                              env=dict(os.environ, WORK=str(work), HPC_RL=str(REPO), PATH=path))
-        yield work, proc, time.monotonic() - t0
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def page_run(env_interpreters_ready):
+    work = Path(tempfile.mkdtemp(prefix="hpc_rl_byoe_", dir="/var/tmp"))
+    work.chmod(0o755)
+    try:
+        proc, took = run_page("verifiers", work)
+        yield work, proc, took
     finally:
         subprocess.run([str(VENV_PYTHON), "-m", "pip", "uninstall", "--quiet", "-y", "vf-calc"], capture_output=True,
                        timeout=300)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_the_page_runs_from_an_empty_directory(page_run):
@@ -75,7 +100,20 @@ def test_a_planted_broken_tool_fails_before_submission_naming_it(page_run):
 def test_two_grpo_steps_call_the_users_tool_with_exact_trajectories(page_run):
     work, proc, _ = page_run
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    run = work / "runs" / "byoe"
+    check_steps(work / "runs" / "byoe")
+
+
+def test_a_users_gym_resources_server_with_a_tool_runs_two_grpo_steps(env_interpreters_ready, outside_dir):
+    proc, took = run_page("gym", outside_dir)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the page's Gym commands failed (rc={proc.returncode}, {took:.0f}s):\n{out[-6000:]}"
+    assert "every check before submission passed" in out
+    check_steps(outside_dir / "runs" / "byoe_gym")
+
+
+def check_steps(run: Path):
+    """2 GRPO steps of 16 episodes: tool calls parsed and run on each, no environment error,
+    token-exact trajectories holding the tool's answers."""
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s.get("kind") == "step"]
     assert [s["step"] for s in steps] == [1, 2]
