@@ -123,3 +123,38 @@ def check_steps(run: Path):
         assert a["tool_calls"] > 0 and a["tool_errors"] == 0, a  # parsed by the renderer, run by the tool server
         assert a["changed_policy_tokens"] == 0, a
         assert a["env_tokens"] > 0, a  # the tool's answers sit inside the trajectories (mask 0)
+
+
+def test_the_pythonic_renderer_reads_calls_and_gives_them_back_as_written(env_interpreters_ready):
+    """hpc_rl/agentic/verifiers_renderer.py in the verifiers venv (renderers' types)."""
+    code = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from verifiers_renderer import parse_pythonic, with_content
+ok = parse_pythonic('[calculator(expression="37*8"), f(a=1, b=[2])]')
+bad = parse_pythonic('[calculator(expression=os.system("x"))]')
+print(json.dumps({"ok": [(c.name, c.arguments, c.status.value) for c in ok], "bad": [c.status.value for c in bad],
+                  "plain": parse_pythonic("296"), "deep": [c.status.value for c in parse_pythonic("[" * 50000)],
+                  "msg": with_content([{"role": "assistant", "content": None, "tool_calls": [
+                      {"function": {"name": "calculator", "arguments": '{"expression": "37*8"}'}}]}])[0]["content"]}))
+"""
+    out = subprocess.run([str(VENV_PYTHON), "-c", code, str(REPO / "hpc_rl" / "agentic")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ok"] == [["calculator", {"expression": "37*8"}, "ok"], ["f", {"a": 1, "b": [2]}, "ok"]]
+    assert got["bad"] == ["malformed_structure"] and got["plain"] == [] and got["deep"] == ["malformed_structure"]
+    assert got["msg"] == '[calculator(expression="37*8")]'  # what the policy wrote, rendered again
+
+
+def test_an_editable_install_anywhere_is_bound_into_the_jail(tmp_path):
+    from hpc_rl.envs.jail import editable_dirs
+
+    pkg = tmp_path / "src" / "mypkg"
+    pkg.mkdir(parents=True)
+    finder = tmp_path / "__editable___mypkg_0_1_finder.py"
+    finder.write_text(f"import sys\nMAPPING: dict[str, str] = {{'mypkg': {str(pkg)!r}, 'gone': '/nonexistent/x'}}\n"
+                      "NAMESPACES = {}\n")
+    assert editable_dirs(finder) == [str(pkg)]
+    finder.write_text("MAPPING = __import__('os').system('true')\n")  # read as a literal, never run
+    assert editable_dirs(finder) == []

@@ -89,6 +89,13 @@ def renderer_config(name: Optional[str]) -> Optional[dict]:
     return {"name": name}
 
 
+def renderer_files(config: Optional[dict]) -> list:
+    """A custom renderer's file (`file.py:Class`), which the jail binds read-only."""
+    ref = str((config or {}).get("import_path") or "")
+    path = ref.rpartition(":")[0]
+    return [path] if config and config.get("name") == "custom" and path.endswith(".py") and Path(path).is_file() else []
+
+
 def venv_python(path: str = DEFAULT_PYTHON) -> Path:
     p = Path(path)
     return p if p.is_absolute() else REPO / p
@@ -303,6 +310,7 @@ class VerifiersEpisode:
                         "renderer_model": self.renderer_model, "renderer": self.renderer, "proxy_socket": sock,
                         "key": self.proxy.key}
                 renderer = [self.renderer_model] if Path(self.renderer_model).exists() else []
+                renderer += renderer_files(self.renderer)
                 self.worker = Worker(venv_python(self.python), init, self.home.path, renderer, self.start_timeout_s)
                 log.info("verifiers %s: %s over %s (%d tasks), harness %s, runtime %s", self.worker.info["verifiers"],
                          self.worker.info["env"], self.worker.info["taskset"], self.worker.info["tasks"], self.harness,

@@ -1,8 +1,9 @@
 """The verifiers environment's preflight (issue 48): before a job is submitted
 (launchers/runnable.py), the virtualenv's verifiers, in the jail the env rank's worker gets,
 resolves, validates and loads the environment, builds its renderer with the policy's
-tokenizer, starts each tool server of its first task and calls each tool once
-(verifiers_toolcheck.py). A broken environment is found in seconds, before the allocation.
+tokenizer, starts each tool server of its first task and calls each tool once, then plays one
+scripted episode through verifiers (verifiers_toolcheck.py). A broken environment is found in
+seconds, before the allocation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from hpc_rl.envs.jail import JailDir, unavailable
 
-from .verifiers_bridge import DIR_PREFIX, TOOLCHECK, episode_of, jailed, renderer_config, renderer_name, venv_python
+from .verifiers_bridge import (DIR_PREFIX, TOOLCHECK, episode_of, jailed, renderer_config, renderer_files, renderer_name,
+                               venv_python)
 
 PREFLIGHT = """
 import json, sys
@@ -42,8 +44,10 @@ try:
 except Exception as exc:
     problem = type(exc).__name__ + ": " + str(exc)[:400]
 sys.path.insert(0, req["here"])
-from verifiers_toolcheck import check
+from verifiers_toolcheck import check, scripted_episode
 tool_problems = check(env)
+if not tool_problems and not problem and req["tokenizer"]:
+    tool_problems = scripted_episode(env, req["renderer"], req["tokenizer"])
 names = sorted(RENDERER_REGISTRY) if "RENDERER_REGISTRY" in dir() else []
 parsers = sorted(TOOL_PARSERS) if "TOOL_PARSERS" in dir() else []
 print(json.dumps({"env": env_cls, "tasks": len(tasks), "tools": tools, "renderer_problem": problem,
@@ -69,7 +73,7 @@ def preflight(v, tokenizer: str = "", tool_parser: str = "pythonic") -> list:
     name = renderer_name(v.renderer, tool_parser)
     req = {"env": env, "renderer": renderer_config(name), "tokenizer": tokenizer, "here": str(TOOLCHECK.parent)}
     home = JailDir(DIR_PREFIX)  # in the jail the worker runs in: what resolves there, resolves for the worker
-    read_only = [tokenizer] if tokenizer and Path(tokenizer).exists() else []
+    read_only = ([tokenizer] if tokenizer and Path(tokenizer).exists() else []) + renderer_files(req["renderer"])
     try:
         proc = subprocess.run(jailed(python, ["-c", PREFLIGHT], home.path, read_only), input=json.dumps(req),
                               capture_output=True, text=True, timeout=300,
@@ -89,11 +93,7 @@ def preflight(v, tokenizer: str = "", tool_parser: str = "pythonic") -> list:
     except (ValueError, IndexError):
         return [("env.agentic.verifiers", env, f"the preflight printed no answer: {proc.stdout[-300:]!r}",
                  "run the taskset in the virtualenv by hand to see why")]
-    found = [("env.agentic.verifiers.taskset", v.taskset,
-              f"tool server {p['server']}" + (f", tool {p['tool']!r}" if p.get("tool") else "") + f": {p['why']}",
-              "fix that tool server in the taskset's package (the preflight started it as verifiers does and called "
-              "each tool once with sample arguments, agentic/verifiers_toolcheck.py), then reinstall it into "
-              f"{python.parent.parent}") for p in out.get("tool_problems") or ()]
+    found = [tool_problem(v.taskset, p, python.parent.parent) for p in out.get("tool_problems") or ()]
     if out.get("renderer_problem"):
         key = "env.agentic.verifiers.renderer" if v.renderer else "env.agentic.tool_parser"
         value = v.renderer if v.renderer else tool_parser
@@ -102,3 +102,19 @@ def preflight(v, tokenizer: str = "", tool_parser: str = "pythonic") -> list:
                  f"`default:<tool parser>` ({', '.join(out.get('tool_parsers') or [])}), one of verifiers' renderers "
                  f"({', '.join(out.get('renderers') or [])}), or `custom:<module.Class or file.py:Class>`")]
     return found
+
+
+SCRIPTED = "scripted episode"  # verifiers_toolcheck.scripted_episode's problems (that module is the venv's)
+
+
+def tool_problem(taskset: str, p: dict, venv: Path) -> tuple:
+    """A problem of the tool check or the scripted episode as (key, value, why, fix)."""
+    if p["server"] == SCRIPTED:
+        return ("env.agentic.verifiers.taskset", taskset, f"one scripted episode of its first task failed: {p['why']}",
+                "the preflight played it through verifiers (harness, renderer, tool servers, rubric) with a policy "
+                "that calls the first tool once and answers '1' (agentic/verifiers_toolcheck.py): fix what failed in "
+                f"the taskset's package and reinstall it into {venv}, or set env.agentic.verifiers.renderer")
+    where = f"tool server {p['server']}" + (f", tool {p['tool']!r}" if p.get("tool") else "")
+    return ("env.agentic.verifiers.taskset", taskset, f"{where}: {p['why']}",
+            "fix that tool server in the taskset's package (the preflight started it as verifiers does and called "
+            f"each tool once with sample arguments, agentic/verifiers_toolcheck.py), then reinstall it into {venv}")

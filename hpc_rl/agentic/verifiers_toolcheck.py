@@ -14,13 +14,20 @@ servers (`Task.toolsets`, `Taskset.toolsets`):
      a number 1, a boolean false, ...): a tool that raises is a problem naming the server, the
      tool and the exception. What a tool answers is not judged, only that it answers.
 
-`check(env, start_s)` returns a list of problems, each {"server", "tool", "why"}.
+`scripted_episode(env, renderer, tokenizer)` then plays one episode of the first task through
+verifiers itself (harness, renderer, tool servers, rubric) against a scripted policy: the first
+tool called once in the renderer's format, then the answer "1"; its errors, an unscored reward
+or an unanswered call are problems.
+
+Both return a list of problems, each {"server", "tool", "why"}.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -113,4 +120,101 @@ def check(env, start_s: float = 30.0, timeout_s: float = 30.0) -> list:
             problems.append({"server": type(server).__name__, "tool": None, "why": why})
             continue
         problems += asyncio.run(call_tools(server, task, timeout_s))
+    return problems
+
+
+def call_text(renderer: dict, tool: str, args: dict) -> str:
+    """A tool call as the policy would write it for `renderer` (hpc_rl's renderers config);
+    '' for a format this check cannot write (then the scripted episode only answers)."""
+    name = (renderer or {}).get("name")
+    if name == "custom" and str(renderer.get("import_path", "")).endswith(":PythonicRenderer"):
+        return "[" + tool + "(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items()) + ")]"
+    if name == "default" and renderer.get("tool_parser") == "qwen3":
+        return "<tool_call>" + json.dumps({"name": tool, "arguments": args}) + "</tool_call>"
+    return ""
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """verifiers' train client's endpoint (`/inference/v1/generate`), answering from a script:
+    the first turn the tool call (if any), then "1"."""
+
+    tok = script = None
+    turns = 0
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._json({"object": "list", "data": [{"id": "preflight", "object": "model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        cls = type(self)
+        text = cls.script[min(cls.turns, len(cls.script) - 1)]
+        cls.turns += 1
+        ids = cls.tok(text, add_special_tokens=False)["input_ids"] + [cls.tok.eos_token_id]
+        self._json({"request_id": f"preflight-{cls.turns}", "prompt_token_ids": body.get("token_ids"),
+                    "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop",
+                                 "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": 0.0} for t in ids]}}]})
+
+
+def scripted_episode(env, renderer: dict, tokenizer: str, timeout_s: float = 120.0) -> list:
+    """One episode of the first task through verifiers itself (its harness, its renderer, its
+    tool servers, its rubric) against a scripted policy: the first tool called once, then the
+    answer "1". Problems: the episode's errors, a reward that did not score, a scripted call
+    the renderer did not read or the tool server did not answer, a tool that reported a failure."""
+    import threading
+
+    import verifiers.v1 as vf
+    from transformers import AutoTokenizer
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    tasks = list(env.taskset)
+    if not tasks:
+        return [{"server": "scripted episode", "tool": None, "why": "the taskset has no tasks"}]
+    task = tasks[0]
+    tools = [fn for s in type(task).toolsets(task.config) for fn in discover_decorated(s, "tool")]
+    call = ""
+    if tools:
+        fn = tools[0]
+        args = {p.name: _sample(p) for p in inspect.signature(fn).parameters.values()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is inspect.Parameter.empty}
+        call = call_text(renderer, getattr(fn, "tool_name", None) or fn.__name__, args)
+    _Scripted.tok, _Scripted.script, _Scripted.turns = AutoTokenizer.from_pretrained(tokenizer), [t for t in (call, "1") if t], 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    os.environ["HPC_RL_PREFLIGHT_API_KEY"] = "preflight"
+    client = vf.TrainClientConfig(base_url=f"http://127.0.0.1:{server.server_address[1]}",
+                                  api_key_var="HPC_RL_PREFLIGHT_API_KEY", renderer=renderer, renderer_model_name=tokenizer)
+
+    async def play():
+        async with env.serving():
+            return await asyncio.wait_for(env.run_episode(task, vf.ModelContext(model="preflight", client=client)),
+                                          timeout_s)
+
+    try:
+        episode = asyncio.run(play())
+    except Exception as exc:
+        return [{"server": "scripted episode", "tool": None, "why": f"{type(exc).__name__}: {exc}"[:1500]}]
+    finally:
+        server.shutdown()
+    traces = list(episode.traces)
+    problems = [{"server": "scripted episode", "tool": None, "why": f"{e.type}: {e.message}"[:1500]}
+                for e in [*episode.errors, *(e for t in traces for e in t.errors)]]
+    unscored = sorted({k for t in traces for k, r in t.rewards.items() if r is None})
+    if unscored and not problems:
+        problems.append({"server": "scripted episode", "tool": None, "why": f"rewards that did not score: {unscored}"})
+    answers = [m for t in traces for m in t.messages if getattr(m, "role", None) == "tool"]
+    if call and not answers and not problems:
+        problems.append({"server": "scripted episode", "tool": None,
+                         "why": f"the scripted call {call!r} got no tool answer: the renderer did not read it as a "
+                                "call, or the tool server did not answer"})
     return problems
