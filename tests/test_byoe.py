@@ -119,6 +119,9 @@ def check_steps(run: Path):
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         a = s["agentic"]
+        print(f"{run.name} step {s['step']}: " + ", ".join(f"{k} {a[k]}" for k in (
+            "episodes", "turns", "tool_calls", "tool_errors", "errors", "changed_policy_tokens", "policy_tokens",
+            "env_tokens", "mean_reward")))
         assert a["episodes"] == 16 and a["errors"] == 0 and a["failed"] == 0, a
         assert a["tool_calls"] > 0 and a["tool_errors"] == 0, a  # parsed by the renderer, run by the tool server
         assert a["changed_policy_tokens"] == 0, a
