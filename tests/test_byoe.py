@@ -119,9 +119,9 @@ def check_steps(run: Path):
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         a = s["agentic"]
-        print(f"{run.name} step {s['step']}: " + ", ".join(f"{k} {a[k]}" for k in (
-            "episodes", "turns", "tool_calls", "tool_errors", "errors", "changed_policy_tokens", "policy_tokens",
-            "env_tokens", "mean_reward")))
+        shown = ("episodes", "turns", "tool_calls", "tool_errors", "errors", "changed_policy_tokens", "policy_tokens",
+                 "env_tokens")
+        print(f"{run.name} step {s['step']}: " + ", ".join(f"{k} {a.get(k)}" for k in shown))
         assert a["episodes"] == 16 and a["errors"] == 0 and a["failed"] == 0, a
         assert a["tool_calls"] > 0 and a["tool_errors"] == 0, a  # parsed by the renderer, run by the tool server
         assert a["changed_policy_tokens"] == 0, a
@@ -161,3 +161,27 @@ def test_an_editable_install_anywhere_is_bound_into_the_jail(tmp_path):
     assert editable_dirs(finder) == [str(pkg)]
     finder.write_text("MAPPING = __import__('os').system('true')\n")  # read as a literal, never run
     assert editable_dirs(finder) == []
+
+
+def test_the_gym_preflight_calls_each_tool_and_names_a_broken_one(env_interpreters_ready, outside_dir):
+    """The page's Gym server, its tool planted broken: gym_bridge.preflight names it (before any
+    submission); the server as written passes."""
+    from types import SimpleNamespace
+
+    from hpc_rl.agentic.gym_bridge import preflight
+
+    first = blocks("gym")[0]
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + first], cwd=outside_dir, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, WORK=str(outside_dir)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    server = outside_dir / "my_gym" / "resources_servers" / "calc_tool"
+    g = SimpleNamespace(python=".gym-python/bin/gym-python", resources_server="calc_tool",
+                        search_dirs=[str(outside_dir / "my_gym")], dataset=str(server / "data" / "train.jsonl"))
+    assert preflight(g) == []
+    app = server / "app.py"
+    app.write_text(app.read_text().replace("        m = EXPR.fullmatch(body.expression)",
+                                           "        raise RuntimeError('planted: this tool is broken')\n"
+                                           "        m = EXPR.fullmatch(body.expression)"))
+    found = preflight(g)
+    assert len(found) == 1 and found[0][0] == "env.agentic.gym.resources_server", found
+    assert "tool 'calculator': raised RuntimeError: planted: this tool is broken" in found[0][2], found
