@@ -185,3 +185,29 @@ def test_the_gym_preflight_calls_each_tool_and_names_a_broken_one(env_interprete
     found = preflight(g)
     assert len(found) == 1 and found[0][0] == "env.agentic.gym.resources_server", found
     assert "tool 'calculator': raised RuntimeError: planted: this tool is broken" in found[0][2], found
+
+
+def test_a_tool_server_that_cannot_start_is_refused_with_its_stderr(page_run):
+    """The page's (editable) taskset, its tool server planted to die at start: the preflight says
+    why in seconds, quoting the server's stderr (verifiers itself waits 180 s for a port)."""
+    from types import SimpleNamespace
+
+    from hpc_rl.agentic.verifiers_preflight import preflight
+    from hpc_rl.rl.inputs import resolve_model_ref
+
+    work, proc, _ = page_run
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    tools = work / "my_env" / "vf_calc" / "tools.py"
+    text = tools.read_text()
+    v = SimpleNamespace(taskset="vf-calc", taskset_args={}, harness="null", runtime="subprocess",
+                        python=".venv-verifiers/bin/python", renderer=None)
+    tools.write_text(text.replace("    CalcTools.run()", "    raise SystemExit('planted: the server cannot start')"))
+    try:
+        t0 = time.monotonic()
+        found = preflight(v, resolve_model_ref("tiny_agentic:teacher_calc"), "pythonic")
+        took = time.monotonic() - t0
+    finally:
+        tools.write_text(text)
+    assert len(found) == 1 and found[0][0] == "env.agentic.verifiers.taskset", found
+    assert "tool server CalcTools: exited with rc 1 before reporting its port" in found[0][2], found
+    assert "planted: the server cannot start" in found[0][2] and took < 60, (found, took)
