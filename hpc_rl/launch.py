@@ -35,6 +35,8 @@ USAGE = """usage: python -m hpc_rl.launch +recipe=NAME [cluster=NAME] [launcher=
 
 options:
   --show-config   print the resolved config and exit (nothing is planned or launched)
+  --check         every check a launch runs before submitting (inputs, the environment's
+                  preflight: its tools started and called once), then exit; nothing is written
   {batch_plan}    plan into run.dir with launcher=slurm's checks, launch nothing (for batch scripts)
   -h, --help      this text
 
@@ -45,7 +47,8 @@ examples:
   python -m hpc_rl.launch +pipeline=ultra                 # every stage of a pipeline, checked and planned
   python -m hpc_rl.launch +pipeline=tiny_pipeline --wait  # stages as dependent Slurm jobs (hpc_rl/pipeline)
 """
-FLAGS = ("--show-config", BATCH_PLAN_FLAG)
+FLAGS = ("--show-config", "--check", BATCH_PLAN_FLAG)
+CHECK_FLAG = "--check"
 PIPELINE_SELECT = "+pipeline="
 
 
@@ -83,13 +86,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     launcher = LAUNCHERS[cfg.launcher.name]  # the schema's Literal admits registered names only
     dataset = None
     try:
-        if batch_plan or launcher.starts_ranks:
+        if batch_plan or launcher.starts_ranks or CHECK_FLAG in flags:
             cfg, dataset = check_runnable(cfg)
         if not batch_plan:
             launcher.preflight(cfg, plan)  # before the run directory exists: a refused launch leaves nothing
     except ConfigError as err:
         print(f"hpc_rl: {err.render()}", file=sys.stderr)
         return err.exit_code
+    if CHECK_FLAG in flags:
+        print(f"hpc_rl: {cfg.run.name}: every check before submission passed (nothing was written or submitted)")
+        return 0
     if dataset is not None and dataset.skipped:
         print(f"hpc_rl: {dataset.skipped} malformed rows of {dataset.path} will be skipped (data.skip_invalid): "
               f"first {dataset.errors[0]}", file=sys.stderr)

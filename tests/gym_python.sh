@@ -47,7 +47,10 @@ write_wrapper() {
     cat > "$wrapper.tmp" <<EOF
 #!/usr/bin/env bash
 # TEST-ONLY (written by tests/gym_python.sh): the sid root's $py with nemo-gym, via bubblewrap.
-# Extra bind mounts: GYM_PY_BIND="src1:dst1 src2:dst2" (unprivileged: each dst must exist in the root).
+# Read-only binds at their own paths: GYM_PY_RO_BIND="dir1:dir2" (hpc_rl's Gym side sets it to the
+# directories the config names: env.agentic.gym.search_dirs). Extra bind mounts: GYM_PY_BIND="src1:dst1 src2:dst2".
+# The root's entries are bound one by one over bubblewrap's own tmpfs root (the empty ones left
+# out), so a bind's mount point is made in that tmpfs, not in the root-owned tree: no mkdir as root.
 set -euo pipefail
 # Inside hpc_rl's jail (HPC_RL_JAILED, hpc_rl/envs/jail.py) the jail's own pid namespace and
 # /proc serve (a nested user namespace may not mount a new proc, and a pid namespace of its
@@ -56,11 +59,31 @@ set -euo pipefail
 # or the search directories it binds read-only).
 extra=()
 for b in \${GYM_PY_BIND:-}; do extra+=(--bind "\${b%%:*}" "\${b#*:}"); done
+IFS=: read -r -a ro <<< "\${GYM_PY_RO_BIND:-}"
+for d in "\${ro[@]}"; do [ -n "\$d" ] && extra+=(--ro-bind "\$d" "\$d"); done
+# the root's view, entry by entry: an entry holding a bind's path becomes a tmpfs of its own
+# entries (recursively), so the bind's mount point is made in a tmpfs
+view=()
+holds() { local d; for d in "\${ro[@]}"; do case "\$d/" in "\$1"/*) return 0;; esac; done; return 1; }
+lay() {  # lay SRC_DIR DEST_DIR ("" for /)
+    local e n
+    for e in "\$1"/* "\$1"/.[!.]*; do
+        [ -e "\$e" ] || [ -L "\$e" ] || continue
+        n=\$2/\${e##*/}
+        if [ -L "\$e" ]; then view+=(--symlink "\$(readlink "\$e")" "\$n")
+        elif [ -d "\$e" ] && holds "\$n"; then view+=(--tmpfs "\$n"); lay "\$e" "\$n"
+        elif [ -d "\$e" ]; then
+            [ -n "\$2" ] || [ -n "\$(find "\$e" -maxdepth 4 -not -type d -print -quit 2>/dev/null)" ] && view+=(--bind "\$e" "\$n")
+        elif [ -n "\$2" ]; then view+=(--bind "\$e" "\$n")
+        fi
+    done
+}
+lay "$root" ""
 ca=()
 [ -r /etc/ssl/certs/ca-certificates.crt ] && ca=(--ro-bind /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt)
 proc=(--proc /proc --unshare-pid)
 [ -n "\${HPC_RL_JAILED:-}" ] && proc=(--bind /proc /proc)
-exec bwrap --bind "$root" / "\${proc[@]}" --dev /dev --bind /tmp /tmp \\
+exec bwrap "\${view[@]}" "\${proc[@]}" --dev /dev --bind /tmp /tmp \\
     --ro-bind-try /etc/resolv.conf /etc/resolv.conf "\${ca[@]}" \\
     --bind-try "$repo" "$repo" "\${extra[@]}" --chdir "\$PWD" \\
     --die-with-parent \\

@@ -32,6 +32,7 @@ class RecordingChat:
         self.history = TokenHistory(tokenizer, template_kwargs)
         self.turns = 0
         self.tool_parse_errors = 0  # turns that opened a tool call the parser could not read
+        self.tool_calls = 0  # tool calls parsed from the policy's turns
         self.hit_token_cap = False  # a turn was cut off by the trajectory's max_tokens
         self._returned: List[tuple] = []  # (the message as returned, the message as generated)
         self._turn_end: Optional[float] = None  # when the policy's last turn came back
@@ -67,6 +68,7 @@ class RecordingChat:
             content, calls, malformed = parse_tool_calls(tool_parser(self.tool_parser_name, self.tok), text, turn,
                                                          self.tool_parser_name)
             self.tool_parse_errors += malformed
+            self.tool_calls += len(calls)
         msg = {"role": "assistant", "content": content, "tool_calls": calls}
         # compared by value with a copy: an episode that edits the message afterwards gets it
         # rendered as edited (and, as it no longer matches the ids, a sibling sample)

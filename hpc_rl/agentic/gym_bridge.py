@@ -47,6 +47,8 @@ from .contract import EpisodeResult, Truncated, stable_index
 from hpc_rl.envs.jail import JailDir, unavailable
 
 from .gym_servers import DIR_PREFIX, LAUNCH, REPO, GymServers, interpreter, jailed, search_dirs
+
+TOOLCHECK = Path(__file__).with_name("gym_toolcheck.py")  # run by Gym's interpreter (`-c`), never imported here
 from .loopback_proxy import LoopbackProxy
 
 log = logging.getLogger("hpc_rl.agentic.gym")
@@ -229,7 +231,8 @@ class GymEpisode:
 def preflight(g) -> list:
     """Before a launch (launchers/runnable.py): the Gym interpreter runs, imports nemo_gym and
     finds the resources server's config (a built-in, or under search_dirs); the dataset's rows
-    are Gym rows. `g`: env.agentic.gym. Returns (key, value, why, fix) for each problem."""
+    are Gym rows; each tool the first row offers is called once on the server built from its
+    app.py (gym_toolcheck.py). `g`: env.agentic.gym. Returns (key, value, why, fix) for each problem."""
     argv = interpreter(g.python)
     if not Path(argv[0]).exists() or not g.resources_server:
         return []  # config/validate_agentic.py names these
@@ -257,16 +260,42 @@ def preflight(g) -> list:
                     f"Gym finds no resources_servers/{g.resources_server}/configs/{g.resources_server}.yaml (it has "
                     f"{found['resources_servers']})", "name one of those, or add the directory holding "
                     "resources_servers/<name> to env.agentic.gym.search_dirs"))
+    rows = []
     try:
-        bad = [i for i, row in enumerate(GymEpisode(g.resources_server, g.dataset).rows)
-               if not isinstance(row.get("responses_create_params"), dict)]
+        rows = GymEpisode(g.resources_server, g.dataset).rows
+        bad = [i for i, row in enumerate(rows) if not isinstance(row.get("responses_create_params"), dict)]
         if bad:
             out.append(("env.agentic.gym.dataset", g.dataset, f"rows {bad[:5]} have no responses_create_params",
                         "point it at a Gym dataset JSONL (one row per line, each with responses_create_params)"))
     except (OSError, ValueError) as exc:
         out.append(("env.agentic.gym.dataset", g.dataset, f"cannot be read as Gym rows: {exc}",
                     "point it at a Gym dataset JSONL (relative to the repository, or absolute)"))
+    if not out and rows:
+        out += [("env.agentic.gym.resources_server", g.resources_server,
+                 f"tool {p['tool']!r}: {p['why']}" if p.get("tool") else p["why"],
+                 "fix the resources server's tool (the preflight built the server from its app.py and called each "
+                 "tool of the dataset's first row once with sample arguments, agentic/gym_toolcheck.py)")
+                for p in tool_problems(g, dirs, rows[0])]
     return out
+
+
+def tool_problems(g, dirs, row: dict) -> list:
+    """gym_toolcheck.py under Gym's interpreter in the env rank's jail: each tool of `row` called once."""
+    spec = json.dumps({"roots": dirs, "resources_server": g.resources_server, "row": row})
+    home = JailDir(DIR_PREFIX)
+    try:
+        proc = subprocess.run([*jailed(g.python, dirs, home.path), "-c", TOOLCHECK.read_text(), spec],
+                              capture_output=True, text=True, timeout=300,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [{"tool": None, "why": f"the tool check did not run: {type(exc).__name__}: {exc}"}]
+    finally:
+        home.close()
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])["problems"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        tail = " | ".join(ln.strip() for ln in proc.stderr.splitlines()[-3:] if ln.strip())
+        return [{"tool": None, "why": f"the tool check failed (rc {proc.returncode}): {tail[:800]}"}]
 
 
 def build(**cfg) -> GymEpisode:

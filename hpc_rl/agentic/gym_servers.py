@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 DIR_PREFIX = "hpc_rl_gym_"  # a rank's 0700 jail directory under /tmp (jail.JailDir)
 log = logging.getLogger("hpc_rl.agentic.gym")
 READY_LINE = "servers ready!"  # `gym env start` prints "All N / N servers ready! ..." once every server answers
+RO_BIND = "GYM_PY_RO_BIND"  # the directories a sandboxing Gym interpreter binds read-only (tests/gym_python.sh)
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
 
 # Run by the Gym interpreter: every Gym server runs from that interpreter's own environment
@@ -88,8 +89,11 @@ def jailed(python: str, dirs: List[str], home: str, private_network: bool = True
     `home` (the rank's 0700 directory) its only writable place, an environment from the allow
     list (no HPC_RL_JOB_KEY, no credentials), and with private_network its own network."""
     argv = interpreter(python)
+    # GYM_PY_RO_BIND: an interpreter that is itself a sandbox (tests/gym_python.sh's) binds the
+    # directories the config names, read-only at their own paths: a server in any directory
+    # runs with no bind or mkdir of the user's (an interpreter that is not one ignores it)
     jail = Jail(home, [*interpreter_paths(argv[0]), *dirs], network=not private_network, nested=True,
-                env={"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": f"{home}/ray"},
+                env={"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": f"{home}/ray", RO_BIND: ":".join(dirs)},
                 path=f"{Path(argv[0]).parent}:/usr/local/bin:/usr/bin:/bin")
     return jail.argv(argv)
 

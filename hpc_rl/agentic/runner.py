@@ -38,7 +38,8 @@ async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, l
                       tool_parser: str = "pythonic", template_kwargs: Optional[dict] = None
                       ) -> Tuple[List[SampleRow], EpisodeResult]:
     """One episode: (its rows, possibly empty when no policy token was generated, its result).
-    result.info holds turns, siblings, tool_parse_errors, changed_policy_tokens,
+    result.info holds turns, siblings, tool_parse_errors, tool_calls (parsed from the policy's
+    turns, or as the environment reports them), tool_errors, changed_policy_tokens,
     tool_latency_s (the environment's seconds after each policy turn), and `truncated_by`
     or `error` (with `error_kind` and `error_line`, its traceback's last line) when it applies."""
     chat = RecordingChat(policy, tokenizer, limits, tool_parser, template_kwargs)
@@ -57,6 +58,9 @@ async def run_episode(task: dict, episode: Episode, policy: Policy, tokenizer, l
         result = EpisodeResult(0.0, False, False, {"error": f"{type(exc).__name__}: {exc}", "error_kind": error_kind(exc),
                                                    "error_line": traceback_line(exc)})
     rows = chat.history.rows(truncated=result.truncated)
+    # an adapted library parses and runs its own tool calls and reports them (info tool_calls, tool_errors)
+    result.info.setdefault("tool_calls", chat.tool_calls)
+    result.info.setdefault("tool_errors", 0)
     result.info.update(turns=chat.turns, siblings=chat.history.siblings, tool_parse_errors=chat.tool_parse_errors,
                        changed_policy_tokens=changed_policy_tokens(rows, chat.history.row_turns()),
                        tool_latency_s=chat.env_seconds(time.perf_counter()))
@@ -108,6 +112,8 @@ class EpisodeBatch:
             "siblings": sum(r.info.get("siblings", 0) for r in results),
             "turns": sum(r.info.get("turns", 0) for r in results),
             "tool_parse_errors": sum(r.info.get("tool_parse_errors", 0) for r in results),
+            "tool_calls": sum(r.info.get("tool_calls", 0) for r in results),
+            "tool_errors": sum(r.info.get("tool_errors", 0) for r in results),
             "changed_policy_tokens": sum(r.info.get("changed_policy_tokens", 0) for r in results),
             "policy_tokens": policy,
             "env_tokens": sum(len(r.response_ids) for r in rows) - policy,

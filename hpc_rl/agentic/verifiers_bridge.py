@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from hpc_rl.envs.jail import Jail, JailDir, interpreter_paths, unavailable
+from hpc_rl.envs.jail import Jail, JailDir, interpreter_paths
 from hpc_rl.envs.reward_check import checked_reward
 
 from .contract import EpisodeResult, Truncated, stable_index
@@ -54,6 +54,11 @@ DEFAULT_PYTHON = ".venv-verifiers/bin/python"
 UV_INDEX = "uv-index"  # in the virtualenv: what a harness's uv script may install, offline (envs/wheel_index.py)
 WORKER = Path(__file__).with_name("verifiers_worker.py")
 RELAY = Path(__file__).with_name("unix_bridge.py")  # the worker imports it from its own directory
+RENDERER = Path(__file__).with_name("verifiers_renderer.py")  # `renderer: pythonic`, loaded by verifiers' renderers
+TOOLCHECK = Path(__file__).with_name("verifiers_toolcheck.py")  # the preflight's tool check, run in the venv
+# env.agentic.tool_parser (vLLM's name) -> the verifiers renderer reading the same format
+RENDERER_OF_TOOL_PARSER = {"pythonic": "pythonic", "hermes": "default:qwen3"}
+RENDERER_PREFIXES = ("default:", "custom:")
 DIR_PREFIX = "hpc_rl_verifiers_"  # a worker's 0700 jail directory under /tmp (jail.JailDir)
 EPISODE_FIELD = "hpc_rl_episode"  # verifiers_worker.EPISODE_FIELD (that module is the venv's: not imported here)
 REJECT_LABEL = "verifiers_proxy"  # the auth counters' kind for requests without the proxy's key
@@ -63,6 +68,32 @@ REJECT_LABEL = "verifiers_proxy"  # the auth counters' kind for requests without
 ALLOWED_SAMPLING = {EPISODE_FIELD, "stop_token_ids", "logprobs", "skip_special_tokens", "max_tokens",
                     "routed_experts_prompt_start"}
 ALLOWED_BODY = {"model", "token_ids", "sampling_params", "cache_salt", "priority"}
+
+
+def renderer_name(renderer: Optional[str], tool_parser: str) -> Optional[str]:
+    """env.agentic.verifiers.renderer, defaulted from env.agentic.tool_parser (None: verifiers'
+    own choice by model name)."""
+    return renderer if renderer else RENDERER_OF_TOOL_PARSER.get(tool_parser)
+
+
+def renderer_config(name: Optional[str]) -> Optional[dict]:
+    """The renderers config (verifiers' TrainClientConfig.renderer) a renderer name stands for."""
+    if not name:
+        return None
+    if name == "pythonic":
+        return {"name": "custom", "import_path": f"{RENDERER}:PythonicRenderer"}
+    if name.startswith("default:"):
+        return {"name": "default", "tool_parser": name[len("default:"):]}
+    if name.startswith("custom:"):
+        return {"name": "custom", "import_path": name[len("custom:"):]}
+    return {"name": name}
+
+
+def renderer_files(config: Optional[dict]) -> list:
+    """A custom renderer's file (`file.py:Class`), which the jail binds read-only."""
+    ref = str((config or {}).get("import_path") or "")
+    path = ref.rpartition(":")[0]
+    return [path] if config and config.get("name") == "custom" and path.endswith(".py") and Path(path).is_file() else []
 
 
 def venv_python(path: str = DEFAULT_PYTHON) -> Path:
@@ -152,7 +183,8 @@ def jailed(python: Path, files, home: str, read_only=()) -> list:
     # uv (the venv's) prepares a harness's PEP 723 program; with no network it installs from the
     # virtualenv's local index (`make verifiers-env` fills it for the null harness's program)
     uv = {"UV_DEFAULT_INDEX": (python.parent.parent / UV_INDEX).as_uri(), "UV_PYTHON_DOWNLOADS": "never"}
-    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), *read_only], env=uv,
+    jail = Jail(home, [*interpreter_paths(str(python)), str(WORKER), str(RELAY), str(RENDERER), str(TOOLCHECK),
+                       *read_only], env=uv,
                 path=f"{python.parent}:/usr/local/bin:/usr/bin:/bin")
     return jail.argv([str(python), *files])
 
@@ -241,7 +273,9 @@ class VerifiersEpisode:
     of the verifiers venv); `taskset_args`: that taskset's config fields; `harness` and
     `runtime`: verifiers' agent harness id and runtime type; `python`: the venv's interpreter
     (relative to the repo); `renderer_model`: the tokenizer verifiers renders with (the
-    policy's); `model_name`: what the proxy answers to."""
+    policy's); `renderer`: the renderers config it renders and parses tool calls with
+    (`renderer_config`; None: verifiers' choice by model name); `model_name`: what the proxy
+    answers to."""
 
     taskset: str
     renderer_model: str
@@ -251,8 +285,10 @@ class VerifiersEpisode:
     python: str = DEFAULT_PYTHON
     model_name: str = "hpc_rl"
     start_timeout_s: float = 600.0
+    renderer: Optional[dict] = None
 
     def __post_init__(self):
+        self._logged_kinds: set = set()
         self._lock = threading.Lock()
         self.proxy: Optional[Proxy] = None
         self.worker: Optional[Worker] = None
@@ -271,8 +307,10 @@ class VerifiersEpisode:
                 sock = f"{self.home.path}/proxy.sock"
                 self.proxy.serve_unix(sock)  # the worker's only way out of its network namespace
                 init = {"op": "init", "env": self.env_config(), "model": self.model_name,
-                        "renderer_model": self.renderer_model, "proxy_socket": sock, "key": self.proxy.key}
+                        "renderer_model": self.renderer_model, "renderer": self.renderer, "proxy_socket": sock,
+                        "key": self.proxy.key}
                 renderer = [self.renderer_model] if Path(self.renderer_model).exists() else []
+                renderer += renderer_files(self.renderer)
                 self.worker = Worker(venv_python(self.python), init, self.home.path, renderer, self.start_timeout_s)
                 log.info("verifiers %s: %s over %s (%d tasks), harness %s, runtime %s", self.worker.info["verifiers"],
                          self.worker.info["env"], self.worker.info["taskset"], self.worker.info["tasks"], self.harness,
@@ -298,55 +336,26 @@ class VerifiersEpisode:
             raise live.failure
         if out["errors"]:
             e = out["errors"][-1]
+            if e["type"] not in self._logged_kinds:  # the first of each kind whole (a tool server's stderr tail)
+                self._logged_kinds.add(e["type"])
+                log.warning("verifiers %s: an episode failed with %s (the first of this kind; later ones are "
+                            "counted): %s", self.taskset, e["type"], e["message"])
             raise verifiers_error(e["type"], e["message"])
         # the rubric's sum and its weights come from the environment: NaN, text or None is this
         # episode's error, counted by kind (reward_check), never a NaN for the trainer
         reward = checked_reward(out.get("reward"), f"verifiers {self.taskset}")
         max_reward = checked_reward(out.get("max_reward"), f"verifiers {self.taskset} (max_reward)")
         correct = max_reward > 0 and reward >= max_reward  # every reward at its full score
-        return EpisodeResult(reward, correct, info={"verifiers_rewards": out["rewards"], "verifiers_turns": out["turns"]})
+        return EpisodeResult(reward, correct, info={"verifiers_rewards": out["rewards"], "verifiers_turns": out["turns"],
+                                                    "tool_calls": int(out.get("tool_calls", 0)),
+                                                    "tool_errors": len(out.get("tool_errors") or ()),
+                                                    "verifiers_tool_errors": list(out.get("tool_errors") or ())[:4]})
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
         if getattr(self, "home", None) is not None:
             self.home.close()
-
-
-PREFLIGHT = """
-import json, sys
-from verifiers.v1.utils.loaders import environment_class, resolve_env_config
-cfg = resolve_env_config(json.loads(sys.stdin.read()))
-print(json.dumps({"env": environment_class(cfg.taskset.id, cfg.id).__name__}))
-"""
-
-
-def preflight(v) -> list:
-    """Before a launch (launchers/runnable.py): the virtualenv's verifiers resolves and
-    validates the environment's config (the taskset importable, its args, the harness id,
-    the runtime type) without loading its tasks. `v`: env.agentic.verifiers. Returns
-    (key, value, why, fix) for each problem."""
-    python = venv_python(v.python)
-    if not python.exists():
-        return []  # config/validate_agentic.py names the missing virtualenv
-    if unavailable():
-        return [("env.agentic.environment", "verifiers", unavailable(), "install bubblewrap on the env nodes")]
-    env = episode_of(v).env_config()
-    home = JailDir(DIR_PREFIX)  # in the jail the worker runs in: what resolves there, resolves for the worker
-    try:
-        proc = subprocess.run(jailed(python, ["-c", PREFLIGHT], home.path), input=json.dumps(env), capture_output=True,
-                              text=True, timeout=300, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        proc = subprocess.CompletedProcess([], 1, "", f"{type(exc).__name__}: {exc}")
-    finally:
-        home.close()
-    if proc.returncode == 0:
-        return []
-    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
-    last = " | ".join(lines[-3:]) or f"rc {proc.returncode}"
-    return [("env.agentic.verifiers", env, f"verifiers could not resolve this environment: {last[:600]}",
-             "fix env.agentic.verifiers.taskset / taskset_args / harness / runtime, or install the taskset's package "
-             f"into {python.parent.parent}")]
 
 
 def episode_of(v) -> VerifiersEpisode:

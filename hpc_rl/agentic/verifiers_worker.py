@@ -13,12 +13,14 @@ stdout the process started with, which is kept for the protocol alone (anything 
 a harness prints goes to stderr, the rank's log). Requests:
 
   {"op": "init", "env": {...verifiers EnvConfig...}, "model": name, "renderer_model": path,
+   "renderer": renderers config or null,
    "proxy_socket": path (or "base_url": "http://127.0.0.1:PORT"), "key": proxy key}
       -> {"op": "ready", "tasks": n, "env": class, "taskset": class, "verifiers": version}
   {"op": "cancel", "id": k}: stop run k (no answer)
   {"op": "run", "id": k, "index": i, "episode": token}
       -> {"id": k, "ok": bool, "reward": float, "rewards": {...}, "max_reward": float,
-          "turns": int, "errors": [{"type", "message"}], "is_timeout": bool}
+          "turns": int, "tool_calls": int, "tool_errors": [text], "errors": [{"type", "message"}],
+          "is_timeout": bool}
 
 Each run is one `Env.run_episode` of the taskset's task `index`; its model calls go through
 verifiers' train client (renderer -> `/inference/v1/generate`) to the env rank's loopback
@@ -51,6 +53,12 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _tool_failed(message) -> bool:
+    """A tool result that reports the tool's failure (MCP's isError, as verifiers words it)."""
+    text = str(getattr(message, "content", "") or "")
+    return text.startswith(("Error executing tool", "Error:")) or "isError" in text
+
+
 class Worker:
     def __init__(self, out):
         self.out = out
@@ -76,7 +84,7 @@ class Worker:
         config = resolve_env_config(req["env"])
         self.env = load_environment(config)
         self.tasks = list(self.env.taskset)
-        client = vf.TrainClientConfig(base_url=base_url, api_key_var=KEY_VAR,
+        client = vf.TrainClientConfig(base_url=base_url, api_key_var=KEY_VAR, renderer=req.get("renderer"),
                                       renderer_model_name=req["renderer_model"])
         self.model, self.client = req["model"], client
         return {"op": "ready", "tasks": len(self.tasks), "env": type(self.env).__name__,
@@ -96,11 +104,14 @@ class Worker:
             for name, r in t.rewards.items():
                 rewards[name] = None if r is None else r.score
                 max_reward += 0.0 if r is None else r.weight
+        tools = [m for t in traces for m in t.messages if getattr(m, "role", None) == "tool"]
+        tool_errors = [str(getattr(m, "content", ""))[:500] for m in tools if _tool_failed(m)]
         errors = [{"type": e.type, "message": e.message[:2000]} for e in episode.errors]
         for t in traces:
             errors += [{"type": e.type, "message": e.message[:2000]} for e in t.errors if not t.ok]
         return {"id": req["id"], "ok": bool(episode.ok), "reward": float(sum(t.reward for t in traces)), "rewards": rewards,
                 "max_reward": max_reward, "turns": sum(t.num_turns for t in traces), "errors": errors,
+                "tool_calls": len(tools), "tool_errors": tool_errors,
                 "is_timeout": bool(getattr(episode, "is_timeout", False))}
 
     async def handle(self, req: dict) -> None:

@@ -28,6 +28,15 @@ class VerifiersConfig(Traced):
     runtime: str = "subprocess"  # verifiers' runtime type for the harness's program (subprocess: on the env node)
     # The virtualenv's python (relative to the repository, or absolute): made by `make verifiers-env`.
     python: str = ".venv-verifiers/bin/python"
+    # How verifiers renders prompts and reads tool calls (its `renderers` package): a renderer
+    # name of that package (e.g. qwen3, llama-3, nemotron-3, default: the chat template without
+    # tools), `default:<tool parser>` (the chat template with one of its tool parsers, e.g.
+    # default:qwen3 for <tool_call>{json}</tool_call>), `pythonic` (hpc_rl's renderer for
+    # pythonic calls `[f(a="1")]`, agentic/verifiers_renderer.py) or `custom:<module.Class or
+    # file.py:Class>`. None: from env.agentic.tool_parser (pythonic -> pythonic, hermes ->
+    # default:qwen3), else verifiers' own choice by model name. Checked before submission
+    # against the virtualenv's renderers and the policy's tokenizer.
+    renderer: Optional[str] = None
 
 
 @dataclass

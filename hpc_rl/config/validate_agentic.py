@@ -17,7 +17,15 @@ def check_verifiers(out: List[Violation], cfg: RunConfig) -> None:
         if v.taskset is not None or v.taskset_args:
             out.append(Violation("env.agentic.verifiers.taskset", v.taskset, "is read only by a verifiers environment",
                                  "set env.agentic.environment=verifiers, or leave env.agentic.verifiers unset"))
+        if v.renderer is not None:
+            out.append(Violation("env.agentic.verifiers.renderer", v.renderer, "is read only by a verifiers environment",
+                                 "set env.agentic.environment=verifiers, or leave env.agentic.verifiers.renderer unset"))
         return
+    if v.renderer is not None and (not v.renderer.strip() or v.renderer in ("default:", "custom:")):
+        out.append(Violation("env.agentic.verifiers.renderer", v.renderer, "names no renderer",
+                             "set a renderer of verifiers' renderers package (e.g. qwen3), `pythonic`, "
+                             "`default:<tool parser>` (e.g. default:qwen3) or `custom:<module.Class>`; or leave it unset "
+                             "(from env.agentic.tool_parser)"))
     if not v.taskset:
         out.append(Violation("env.agentic.verifiers.taskset", v.taskset, "a verifiers environment needs its taskset id",
                              "set env.agentic.verifiers.taskset (e.g. tiny-arith), a package of the verifiers virtualenv"))

@@ -27,7 +27,9 @@ the jail's /proc instead of mounting one (a nested user namespace may not mount 
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -83,7 +85,8 @@ def clean_env(extra: Optional[Dict[str, str]] = None, home: str = "/tmp", path: 
 def interpreter_paths(python: str) -> List[str]:
     """What an interpreter needs to run: its prefix (the directory above its bin/), the prefix
     of what it links to (a venv's base Python), and the directories its site-packages' .pth
-    files name (an environment package installed with a path entry). Read as text: a .pth
+    files name (an environment package installed with a path entry) and the package directories
+    of its editable installs (`editable_dirs`). Read as text: a .pth
     line that is code (`import ...`) is not run here."""
     out: List[str] = []
     for p in (Path(python), Path(python).resolve()):
@@ -100,7 +103,25 @@ def interpreter_paths(python: str) -> List[str]:
                 line = line.strip()
                 if line and not line.startswith(("#", "import ", "import\t")) and Path(line).is_dir():
                     out.append(line)
+    # the interpreter's own site-packages only (a venv's base Python's are not on its path)
+    for finder in Path(out[0]).glob("lib/python3*/site-packages/__editable__*finder.py"):
+        out += [d for d in editable_dirs(finder) if d not in out]
     return out
+
+
+_MAPPING = re.compile(r"^MAPPING(?:\s*:[^=]*)?=\s*(\{.*\})\s*$", re.M)
+
+
+def editable_dirs(finder: Path) -> List[str]:
+    """The package directories an editable install's finder maps (setuptools writes
+    `MAPPING = {'pkg': '/path/to/pkg'}` into `__editable___<name>_finder.py`; `pip install -e`
+    of a package in any directory): read as a literal, never imported."""
+    try:
+        m = _MAPPING.search(finder.read_text(errors="replace"))
+        mapping = ast.literal_eval(m.group(1)) if m else {}
+    except (OSError, ValueError, SyntaxError):
+        return []
+    return [d for d in mapping.values() if isinstance(d, str) and Path(d).is_dir()] if isinstance(mapping, dict) else []
 
 
 def covered(path: str, roots: Iterable[str]) -> bool:

@@ -43,9 +43,10 @@ def check_runnable(cfg: RunConfig) -> Tuple[RunConfig, object]:
         except ConfigError as err:
             found += err.violations
         if cfg.env.agentic.environment == "verifiers" and not found:
-            from hpc_rl.agentic.verifiers_bridge import preflight
+            from hpc_rl.agentic.verifiers_preflight import preflight
 
-            found += [Violation(*v) for v in preflight(cfg.env.agentic.verifiers)]
+            found += [Violation(*v) for v in preflight(cfg.env.agentic.verifiers, cfg.model.path,
+                                                        cfg.env.agentic.tool_parser)]
         if cfg.env.agentic.environment == "gym" and not found:
             from hpc_rl.agentic.gym_bridge import preflight as gym_preflight
 

@@ -22,7 +22,8 @@ from hpc_rl.messaging import p2p as exchange
 
 from .episodes import EpisodeReturn, Episodes, endpoint_of
 
-STAT_KEYS = ("episodes", "turns", "errors", "truncated", "siblings", "tool_parse_errors", "changed_policy_tokens",
+STAT_KEYS = ("episodes", "turns", "errors", "truncated", "siblings", "tool_parse_errors", "tool_calls", "tool_errors",
+             "changed_policy_tokens",
              "policy_tokens", "env_tokens", "failed", "timeouts")
 TURN_SEED_STRIDE = 1_000_003  # turn k of an item samples with seed + k * stride (mod 2^31 - 1)
 
@@ -46,9 +47,12 @@ def environment_kwargs(cfg, sandbox_tag: str = "local") -> Dict[str, Any]:
                 "start_timeout_s": a.episode_timeout_s}
     if a.environment != "verifiers":
         return {}
+    from hpc_rl.agentic.verifiers_bridge import renderer_config, renderer_name
+
     v = a.verifiers
     return {"taskset": v.taskset, "taskset_args": dict(v.taskset_args), "harness": v.harness, "runtime": v.runtime,
             "python": v.python, "renderer_model": cfg.model.path, "model_name": cfg.model.name,
+            "renderer": renderer_config(renderer_name(v.renderer, a.tool_parser)),
             "start_timeout_s": a.episode_timeout_s}
 
 
