@@ -75,7 +75,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "peer_trl.json"
 TRL_VERSION = "1.16.0"
 TASKS = ("addition_1digit", "multiplication_1digit")
-GROUP, MICRO, MAX_NEW = 8, 16, 16
+from peer_eval import MAX_NEW, greedy_accuracy  # noqa: E402 (bench/ beside this file)
+
+GROUP, MICRO = 8, 16
 # variants of our side: a tp=1 CPU engine keeps vLLM's default OpenMP binding, which on this
 # one-NUMA-node, 2-core machine leaves one core to the rest ("Reducing Torch threads from 2 to
 # 1"); here the engine's OpenMP threads get both cores (vLLM's own environment variable)
@@ -186,51 +188,6 @@ def make_prompts(work: Path, heldout_per_task: int) -> Dict:
     tp.write_text("".join(json.dumps(r) + "\n" for r in train))
     hp.write_text("".join(json.dumps(r) + "\n" for r in heldout))
     return {"train": tp, "heldout": hp, "train_rows": len(train), "heldout_rows": len(heldout)}
-
-
-def greedy_accuracy(model_dir: str, tokenizer_dir: str, heldout: Path, batch: int = 64, samples: int = 8) -> Dict:
-    """Greedy answers of the weights in model_dir (transformers, fp32), scored by the verifier; and
-    the mean reward of `samples` sampled answers per held-out prompt (temperature 1, a fixed seed):
-    the same evaluator for both sides, so neither side's own sampler or its draws of training prompts
-    enter the comparison (the training reward per step moves by +-0.1 with the prompts drawn)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hpc_rl.envs.registry import score
-
-    rows = [json.loads(x) for x in heldout.read_text().splitlines() if x.strip()]
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    correct: Dict[str, List[bool]] = {}
-    for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
-        texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                         add_generation_prompt=True) for r in chunk]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-        for r, ids in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
-            text = tok.decode(ids, skip_special_tokens=True)
-            correct.setdefault(r["task"], []).append(bool(score(r["task"], text, r["answer"]).correct))
-    allc = [c for v in correct.values() for c in v]
-    torch.manual_seed(1234)
-    rewards: List[float] = []
-    for i in range(0, len(rows), batch // samples):
-        chunk = rows[i:i + batch // samples]
-        texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                         add_generation_prompt=True) for r in chunk]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=samples,
-                                 max_new_tokens=MAX_NEW, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        for k, ids in enumerate(out[:, enc["input_ids"].shape[1]:]):
-            r = chunk[k // samples]
-            rewards.append(float(score(r["task"], tok.decode(ids, skip_special_tokens=True), r["answer"]).reward))
-    return {"accuracy": sum(allc) / len(allc), "n": len(allc),
-            "by_task": {k: sum(v) / len(v) for k, v in correct.items()},
-            "sampled_reward": sum(rewards) / len(rewards), "sampled_n": len(rewards)}
 
 
 def _summary(step_s: List[float], samples: List[int], extra: Dict[str, List[float]]) -> Dict:

@@ -46,9 +46,10 @@ class GeneratorRole:
             span = EngineSpan(self.seat.tasks, 0, host, port)
             self.log.info("engine %d spans generator tasks %d-%d; its workers meet at %s:%d", self.index,
                           ctx.ident.role_rank, ctx.ident.role_rank + self.seat.tasks - 1, host, port)
-        self.engine: InferenceEngine = build_engine(g.backend, engine_spec(ctx, self.index, span))
+        spec = engine_spec(ctx, self.index, span)
+        self.engine: InferenceEngine = build_engine(g.backend, spec)
         self.log.info("%s engine up (%s, %s)", g.backend, g.precision, ctx.device)
-        self._check_kv_capacity(ctx, routes)
+        self._check_kv_capacity(spec.max_model_len, routes)
         asy = cfg.algo.async_rollout
         self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
         self.in_flight: Dict[str, Any] = {}  # the in-flight refit of the order being sampled
@@ -152,14 +153,14 @@ class GeneratorRole:
         self.ctx.carve_phase("wait_refit", float(out.get("wait_s", 0.0)))  # blocked on the transport
         return out
 
-    def _check_kv_capacity(self, ctx, routes: Routes) -> None:
+    def _check_kv_capacity(self, max_model_len: int, routes: Routes) -> None:
         """Warn when this engine's KV cache cannot hold a step's samples at once (kv_capacity.py)."""
         if not hasattr(self.engine, "kv_cache_tokens"):
             return
         kv, block = self.engine.kv_cache_tokens
-        a, spec = self.cfg.algo, engine_spec(ctx, self.index, EngineSpan())
+        a = self.cfg.algo
         per_step = -(-a.prompts_per_step * a.generations_per_prompt // max(len(routes.generators), 1))
-        warning = kv_capacity_warning(kv, block, spec.max_model_len, per_step, self.cfg.generator.gpu_memory_utilization)
+        warning = kv_capacity_warning(kv, block, max_model_len, per_step, self.cfg.generator.gpu_memory_utilization)
         if warning:
             self.log.warning("engine %d: %s", self.index, warning)
         else:
