@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from hpc_rl.models.assets import NemotronHModelSpec, NemotronHMoeModelSpec, save_untrained
 from hpc_rl.models.megatron import config_map
 from hpc_rl.models.megatron.hf_mapping import MappingError, Style, padded_vocab
-from hpc_rl.models.megatron.nemotron_h_mapping import NemotronHDims, hf_to_megatron, megatron_to_hf, pattern_of
-from hpc_rl.models.megatron.nemotron_h_refit import pieces
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims, hf_to_megatron, megatron_to_hf, pattern_of
+from hpc_rl.models.families.nemotron_h.megatron_refit import pieces
 from hpc_rl.models.megatron.refit_layout import local_hf_shards, megatron_layout, vllm_engine_layout
 from hpc_rl.models.megatron.shards import Parallel, coords_of, gather, local_state
 from hpc_rl.refit.layout import merge

@@ -19,9 +19,9 @@ import torch
 
 from hpc_rl.refit.layout import LayoutError
 
-from .hf_mapping import Style, split_qkv, vocab_rows
-from .nemotron_h_mapping import NemotronHDims, layer_renames
-from .shards import Parallel, _kind, coords_of, stage_layers
+from hpc_rl.models.megatron.hf_mapping import Style, split_qkv, vocab_rows
+from .megatron_mapping import NemotronHDims, layer_renames
+from hpc_rl.models.megatron.shards import Parallel, _kind, coords_of, stage_layers
 
 Start = Tuple[int, ...]
 Boxes = Union[Tuple[Start, torch.Tensor], List[Tuple[Start, torch.Tensor]]]
