@@ -178,7 +178,7 @@ REFITS = [("dense", Parallel(tp=2), [2, 1]), ("dense", Parallel(tp=2, pp=2, dp=2
                          ids=[f"{k}-tp{p.tp}pp{p.pp}dp{p.dp}ep{p.ep}-to-tp{'+'.join(map(str, e))}" for k, p, e in REFITS])
 def test_planner_moves_megatron_shards_into_vllm_nemotron_h_engines_exactly(checkpoints, key, p, engines):
     """Megatron's Mamba pieces ([z_r, x_r, B_r, C_r, dt_r] per TP rank) into vLLM's
-    Nemotron-H layout (refit/nemotron_h_layout.py) of TP-2 and TP-1 engines: every
+    Nemotron-H layout (models/families/nemotron_h/refit_layout.py) of TP-2 and TP-1 engines: every
     destination box equals the HF tensor's slice, and nothing is received twice."""
     cfg, hf = checkpoints[key]
     d = NemotronHDims.from_hf_config(cfg)

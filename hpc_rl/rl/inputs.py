@@ -176,7 +176,7 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
     if problems:
         out.append(Violation("generator.parallel.tp", tp, f"{path}: " + "; ".join(problems),
                              "set generator.parallel.tp to a size that divides the heads, key/value heads and "
-                             "intermediate size (and a Nemotron-H's mamba heads and n_groups), or 1"))
+                             "intermediate size (and a Nemotron-H's mamba heads, and n_groups unless it is 1), or 1"))
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep > 1 and not experts:
         out.append(Violation("generator.parallel.ep", ep, f"{path} has no routed experts (a dense checkpoint): "

@@ -30,9 +30,14 @@ def is_moe(config: Mapping) -> bool:
 
 
 def _engine_split(config: Mapping, tp: int, ep: int) -> Mapping:
-    """What vLLM's tensor parallel splits of the Mamba-2 mixer: its heads and its B/C groups
-    (refit_layout.py lays them out so)."""
-    return {k: config[k] for k in ("mamba_num_heads", "n_groups") if k in config}
+    """What vLLM's tensor parallel splits of the Mamba-2 mixer (layers/mamba/mamba_mixer2.py,
+    vLLM 0.32): its heads always; its B/C groups when tp divides n_groups, while a single
+    group (n_groups == 1, common in Mamba-2 checkpoints) is replicated on every rank
+    (refit_layout.py lays it out so). Other group counts vLLM asserts against."""
+    out = {k: config[k] for k in ("mamba_num_heads",) if k in config}
+    if "n_groups" in config and config["n_groups"] != 1:
+        out["n_groups"] = config["n_groups"]
+    return out
 
 
 def _engine_refusals(config: Mapping, on_gpus: bool, precision: str, path: str) -> List[Refusal]:

@@ -1,6 +1,6 @@
 """The refit source side of a Megatron-core Nemotron-H trainer (issue #25): a rank's local
 MambaModel tensors as boxes of the HF checkpoint tensors (`backbone.` names), for the refit
-planner, which moves them into vLLM's Nemotron-H layout (hpc_rl/refit/nemotron_h_layout.py).
+planner, which moves them into vLLM's Nemotron-H layout (refit_layout.py).
 
 Where a rank's tensor is one box of the HF tensor (heads, rows, columns, whole), it is one
 (start, view) pair. A Mamba mixer's in_proj on tensor-parallel rank r holds
