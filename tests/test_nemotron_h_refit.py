@@ -94,9 +94,10 @@ def test_one_group_is_replicated_on_every_rank_of_a_tp2_engine():
     the rest: rank r holds [z_r, x_r, B, C, dt_r] of in_proj and [x_r, B, C] of conv1d. The
     group count is not in the shapes: the layout reads it from the checkpoint's config."""
     lay = vllm_tp_layout(ONE_GROUP, [5, 6], hf_config={"n_groups": 1})
-    assert _rows(lay, f"{M}.in_proj.weight", 5) == [(0, 32), (64, 96), (128, 144), (144, 160), (160, 162)]
-    assert _rows(lay, f"{M}.in_proj.weight", 6) == [(32, 64), (96, 128), (128, 144), (144, 160), (162, 164)]
-    assert _rows(lay, f"{M}.conv1d.weight", 6) == [(32, 64), (64, 80), (80, 96)]
+    # adjacent boxes are one (as the planner expects): z_0 | x_0 B C dt_0 and z_1 | x_1 B C | dt_1
+    assert _rows(lay, f"{M}.in_proj.weight", 5) == [(0, 32), (64, 96), (128, 162)]
+    assert _rows(lay, f"{M}.in_proj.weight", 6) == [(32, 64), (96, 160), (162, 164)]
+    assert _rows(lay, f"{M}.conv1d.weight", 6) == [(32, 96)]
     assert _rows(lay, f"{M}.norm.weight", 6) == [(32, 64)]  # the gated norm: rows, as with split groups
     # tp 1: nothing to replicate, one box
     assert _rows(vllm_tp_layout(ONE_GROUP, [1], hf_config={"n_groups": 1}), f"{M}.in_proj.weight", 1) == [(0, 164)]

@@ -116,11 +116,25 @@ class PreShardedWeight(torch.Tensor):
         out._squeezed = self
         return out
 
+    def _covers(self, inside, start: int, stop: int) -> bool:
+        """The held boxes `inside` cover rows start..stop without a gap."""
+        at = start
+        for a, t in inside:
+            if a > at:
+                return False
+            at = max(at, a + t.shape[self._split])
+        return at >= stop
+
     def _narrow(self, dim: int, start, length: int) -> torch.Tensor:
         dim, start, length = int(dim) % len(self.shape), int(start), int(length)
         stop = start + length
         inside = [(a, t) for a, t in self._rows if a < stop and a + t.shape[self._split] > start]
         whole = all(start <= a and a + t.shape[self._split] <= stop for a, t in inside)
+        if dim == self._split and inside and self._covers(inside, start, stop):
+            # rows this worker holds, whole boxes or part of one (a replicated B/C group merged
+            # with its neighbours into one box): those rows themselves
+            parts = [t.narrow(dim, max(start - a, 0), min(stop, a + t.shape[dim]) - max(start, a)) for a, t in inside]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         if dim != self._split or not inside or not whole:
             raise RuntimeError(
                 f"{self._label}: vLLM's loader asked for rows {start}:{stop} of dim {dim}, this worker "

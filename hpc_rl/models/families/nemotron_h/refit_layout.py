@@ -122,9 +122,9 @@ def mixer_pieces(name: str, shape: Sequence[int], specs: Specs, ranks: Sequence[
         offset, rows = 0, []
         for i, size in enumerate(sizes):
             a, b = (offset, offset + size) if i in whole else (offset + r * (size // tp), offset + (r + 1) * (size // tp))
-            # adjacent parts at tp 1: one box, as the planner expects; at tp > 1 every part
-            # stays its own box, since vLLM's loaders ask for each part alone
-            if tp == 1 and rows and rows[-1][1] == a:
+            # adjacent parts (tp 1; a replicated group beside its neighbours): one box, as the
+            # planner expects (PreShardedWeight hands vLLM's loader each part's rows of it)
+            if rows and rows[-1][1] == a:
                 rows[-1] = (rows[-1][0], b)
             else:
                 rows.append((a, b))
