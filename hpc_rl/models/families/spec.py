@@ -125,6 +125,10 @@ class Family:
     # the HF config's mixture-of-experts layers exist (a dense variant of an MoE-capable family has none)
     is_moe: Callable[[Mapping], bool] = lambda config: False
     tiny: Tuple[str, ...] = field(default_factory=tuple)  # tiny asset reference prefixes of this family
+    # a tiny random model of the family (a spec dataclass with `build(vocab, tokenizer)`, its
+    # tiny.py): what tests/test_families.py and bench/logprob_agreement.py --family build; head
+    # dim >= 32 (vLLM's CPU attention has no kernel below), sizes that a tp of 2 divides
+    test_model: Any = None
 
     @property
     def all_model_types(self) -> Tuple[str, ...]:
