@@ -94,3 +94,60 @@ def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
         assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
         assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
     assert proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def generic_ckpt(tmp_path_factory):
+    """A tiny random Mistral: a decoder no family folder describes (families/generic/)."""
+    from hpc_rl.models.assets import save_untrained
+
+    return save_untrained(tmp_path_factory.mktemp("generic"), families.GENERIC.test_model, seed=0)
+
+
+def test_another_causal_lm_is_on_the_generic_path_and_its_tp_is_refused(generic_ckpt, tmp_path, capsys):
+    """The launcher takes it (checkpoint check), refuses its tensor and context parallel with the
+    reason, and the dry run says it runs on the generic path."""
+    from hpc_rl.config import ConfigError, load_config
+    from hpc_rl.launch import main
+    from hpc_rl.models.checkpoint_check import check_checkpoint
+    from hpc_rl.rl.inputs import check_inputs
+
+    config = check_checkpoint(str(generic_ckpt))
+    assert families.of_config(config) is None and families.resolve(config) is families.GENERIC
+    cfg = load_config(["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={generic_ckpt}",
+                       "model.architecture=generic", "trainer.tasks_per_node=2", "trainer.parallel.tp=2",
+                       ])
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)
+    found = {v.key: v for v in e.value.violations}
+    assert "trainer.parallel.tp" in found and "generic path" in found["trainer.parallel.tp"].problem
+    rc = main(["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={generic_ckpt}", "model.architecture=generic",
+               f"run.dir={tmp_path / 'run'}"])
+    assert rc == 0 and "on the generic path" in capsys.readouterr().out
+
+
+def test_the_generic_layout_hands_every_worker_whole_hf_tensors():
+    from hpc_rl.refit.vllm_layout import check_against_model, vllm_tp_layout
+
+    specs = {"model.layers.0.self_attn.q_proj.weight": ((64, 64), "float32"), "lm_head.weight": ((100, 64), "float32")}
+    generic = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    lay = vllm_tp_layout(specs, [3, 4], hf_config=generic)
+    for name, (shape, _) in specs.items():
+        assert [(p.rank, p.start, p.stop) for p in lay.tensors[name].pieces] == [(r, (0, 0), shape) for r in (3, 4)]
+    check_against_model(specs, {}, 2, hf_config=generic)  # vLLM's own loader places them, by its names
+
+
+@pytest.mark.slow
+def test_a_generic_model_refits_into_tp1_and_tp2_engines(tmp_path):
+    """vLLM's own loader (model.load_weights, HF names, whole tensors) takes the refit."""
+    out = tmp_path / "agree.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32",
+                           "--tp", "1,2", "--family", families.GENERIC.name, "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_tp = {r["vllm_tensor_parallel"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(by_tp) == [1, 2]
+    for tp, r in by_tp.items():
+        assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
+        assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
+    assert proc.returncode == 0

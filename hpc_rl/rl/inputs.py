@@ -77,7 +77,7 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
     from hpc_rl.models import families
 
     config = json.loads((Path(path) / "config.json").read_text())
-    fam = families.of_config(config)
+    fam = families.resolve(config)
     if fam is not None and fam.tp_plan is None:  # no tp at all: _check_family_parallel says why
         return
     problems = tp_problems(config, tp)
@@ -96,7 +96,7 @@ def _check_family_parallel(out: List[Violation], key: str, path: str, parallel) 
 
     from hpc_rl.models import families
 
-    fam = families.of_config(json.loads((Path(path) / "config.json").read_text()))
+    fam = families.resolve(json.loads((Path(path) / "config.json").read_text()))
     if fam is None:
         return
     has = {"tp": fam.tp_plan is not None, "cp": fam.context_parallel}
@@ -169,7 +169,7 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
     need = {"num_attention_heads": config.get("num_attention_heads"),
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
-    fam = families.of_config(config)
+    fam = families.resolve(config)
     if fam is not None:  # what else the family's vLLM model splits (Mamba heads and groups, experts)
         need.update(fam.engine_split(config, tp, ep))
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]

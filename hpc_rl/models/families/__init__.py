@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
+from .generic import GENERIC
 from .llama import FAMILY as LLAMA
 from .nemotron_h import FAMILY as NEMOTRON_H
 from .qwen2 import FAMILY as QWEN2
@@ -34,8 +35,9 @@ DEFAULT = LLAMA.name
 
 
 def named(model_type: Optional[str]) -> Optional[Family]:
-    """The family of a model_type (model.architecture, config.json's model_type), or None."""
-    return next((f for f in FAMILIES if model_type in f.all_model_types), None)
+    """The family of a model_type (model.architecture, config.json's model_type; `generic`: the
+    generic path), or None."""
+    return next((f for f in FAMILIES + (GENERIC,) if model_type in f.all_model_types), None)
 
 
 def of_architecture(arch: str) -> Optional[Family]:
@@ -53,9 +55,18 @@ def of_config(config: Mapping) -> Optional[Family]:
     return named(config.get("model_type"))
 
 
+def resolve(config: Mapping) -> Optional[Family]:
+    """The family of a config, else the generic path (GENERIC) for any other `*ForCausalLM`
+    (transformers loads it by its config; the ranks find out whether it can), else None."""
+    fam = of_config(config)
+    if fam is None and any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+        return GENERIC
+    return fam
+
+
 def fsdp2_names() -> Tuple[str, ...]:
-    """model.architecture values the fsdp2 backend loads."""
-    return tuple(f.name for f in FAMILIES if f.fsdp2)
+    """model.architecture values the fsdp2 backend loads (the generic path last)."""
+    return tuple(f.name for f in FAMILIES if f.fsdp2) + (GENERIC.name,)
 
 
 def moe_names() -> Tuple[str, ...]:
