@@ -46,12 +46,12 @@ def of_architecture(arch: str) -> Optional[Family]:
 
 
 def of_config(config: Mapping) -> Optional[Family]:
-    """The family of a Hugging Face config (config.json's mapping): by its architectures, else
-    its model_type; None for a model no family describes."""
-    for arch in config.get("architectures") or []:
-        fam = of_architecture(arch)
-        if fam is not None:
-            return fam
+    """The family of a Hugging Face config (config.json's mapping): by its architectures where
+    it lists them (a checkpoint's class decides what transformers builds), else by its
+    model_type; None for a model no family describes."""
+    archs = config.get("architectures") or []
+    if archs:
+        return next((f for f in map(of_architecture, archs) if f is not None), None)
     return named(config.get("model_type"))
 
 
