@@ -45,11 +45,23 @@ def family_ckpt(request, tmp_path_factory):
     return fam, save_untrained(tmp_path_factory.mktemp(fam.name), fam.test_model, seed=0)
 
 
+def _optim():
+    """AdamW's first step is lr * g / (|g| + eps): with eps 1e-8 a gradient near eps magnifies
+    float32 reduction-order noise (the same sums in another order) by up to lr / eps = 1e5
+    (seen here: 1.2e-5 on a tiny Qwen2's gate_proj whose log-probs agree to 5e-7). With eps 1e-3
+    the step's sensitivity to its gradient is at most lr / eps = 1, so the weights after it differ
+    by at most the gradients' own noise (~1e-7 relative), far inside atol 1e-5, while every
+    weight with a gradient of 1e-3 or more still moves by lr / 2 or more (checked)."""
+    from hpc_rl.models.fsdp2 import OptimConfig
+
+    return OptimConfig(lr=1e-3, eps=1e-3, warmup_steps=0, grad_clip=1.0)
+
+
 def _worker(rank: int, world: int, ckpt: str, out: str, sp: bool) -> None:
-    from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
+    from hpc_rl.models.fsdp2 import FSDP2Backend
 
     ids, attn = masked_batch(4, 11)
-    b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0),
+    b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=_optim(),
                      parallel={"tp": 2}, sequence_parallel=sp)
     before = b.logprobs(ids, attn)
     metrics = b.train_step(ids, attn, masked_loss(attn))
@@ -60,12 +72,13 @@ def _worker(rank: int, world: int, ckpt: str, out: str, sp: bool) -> None:
 @pytest.mark.parametrize("sp", [True, False], ids=["sequence_parallel", "tp_only"])
 def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     """The family's plan on two ranks against one rank: log-probs, loss, gradient norm and every
-    weight after one AdamW step (lr 1e-3: tests/test_tensor_parallel.py says why 1e-5 holds)."""
-    from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
+    weight after one AdamW step (`_optim` says why 1e-5 holds)."""
+    from hpc_rl.models.fsdp2 import FSDP2Backend
 
     fam, ckpt = family_ckpt
     ids, attn = masked_batch(4, 11)
-    single = FSDP2Backend(str(ckpt), optim=OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0))
+    untouched = FSDP2Backend(str(ckpt)).full_state_dict()
+    single = FSDP2Backend(str(ckpt), optim=_optim())
     before = single.logprobs(ids, attn)
     metrics = single.train_step(ids, attn, masked_loss(attn))
     state = single.full_state_dict()
@@ -77,6 +90,8 @@ def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
     for name, tensor in state.items():  # the per-head norms' weights too (their gradient sums over ranks)
         assert torch.allclose(got["state"][name], tensor, atol=1e-5, rtol=0), name
+    # the step moved the weights: equal weights are not two untouched models
+    assert max(float((state[n] - t).abs().max()) for n, t in untouched.items()) > 5e-4
 
 
 @pytest.mark.slow
