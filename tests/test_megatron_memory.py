@@ -17,7 +17,7 @@ from hpc_rl.models.megatron import config_map
 from hpc_rl.models.megatron.hf_mapping import ModelDims
 from hpc_rl.models.megatron.memory import (FULL_EVERY_LAYER, optimizer_offload_kwargs, recompute_kwargs,
                                            recompute_problems)
-from hpc_rl.models.megatron.nemotron_h_mapping import NemotronHDims
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims
 from hpc_rl.models.megatron.shards import Parallel
 
 MEGATRON = ["+recipe=tiny_mopd", "cluster=h100", "trainer.backend=megatron"]

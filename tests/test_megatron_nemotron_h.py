@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from hpc_rl.models.assets import NemotronHModelSpec, NemotronHMoeModelSpec, save_untrained
 from hpc_rl.models.megatron import config_map
 from hpc_rl.models.megatron.hf_mapping import MappingError, Style, padded_vocab
-from hpc_rl.models.megatron.nemotron_h_mapping import NemotronHDims, hf_to_megatron, megatron_to_hf, pattern_of
-from hpc_rl.models.megatron.nemotron_h_refit import pieces
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims, hf_to_megatron, megatron_to_hf, pattern_of
+from hpc_rl.models.families.nemotron_h.megatron_refit import pieces
 from hpc_rl.models.megatron.refit_layout import local_hf_shards, megatron_layout, vllm_engine_layout
 from hpc_rl.models.megatron.shards import Parallel, coords_of, gather, local_state
 from hpc_rl.refit.layout import merge
@@ -178,7 +178,7 @@ REFITS = [("dense", Parallel(tp=2), [2, 1]), ("dense", Parallel(tp=2, pp=2, dp=2
                          ids=[f"{k}-tp{p.tp}pp{p.pp}dp{p.dp}ep{p.ep}-to-tp{'+'.join(map(str, e))}" for k, p, e in REFITS])
 def test_planner_moves_megatron_shards_into_vllm_nemotron_h_engines_exactly(checkpoints, key, p, engines):
     """Megatron's Mamba pieces ([z_r, x_r, B_r, C_r, dt_r] per TP rank) into vLLM's
-    Nemotron-H layout (refit/nemotron_h_layout.py) of TP-2 and TP-1 engines: every
+    Nemotron-H layout (models/families/nemotron_h/refit_layout.py) of TP-2 and TP-1 engines: every
     destination box equals the HF tensor's slice, and nothing is received twice."""
     cfg, hf = checkpoints[key]
     d = NemotronHDims.from_hf_config(cfg)

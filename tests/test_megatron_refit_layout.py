@@ -11,7 +11,7 @@ import torch
 from hpc_rl.models.megatron.hf_mapping import ModelDims, Style, hf_to_megatron, padded_vocab, split_fused_experts
 from hpc_rl.models.megatron.refit_layout import (layer_count, local_hf_shards, megatron_layout, megatron_refit_setup,
                                                  vllm_engine_layout, vllm_stage_layers)
-from hpc_rl.models.megatron.nemotron_h_refit import pieces
+from hpc_rl.models.families.nemotron_h.megatron_refit import pieces
 from hpc_rl.models.megatron.shards import Parallel, local_state
 from hpc_rl.refit.layout import Layout, LayoutError, merge
 from hpc_rl.refit.planner import plan_refit

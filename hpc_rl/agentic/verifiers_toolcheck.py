@@ -129,7 +129,7 @@ def call_text(renderer: dict, tool: str, args: dict) -> str:
     name = (renderer or {}).get("name")
     if name == "custom" and str(renderer.get("import_path", "")).endswith(":PythonicRenderer"):
         return "[" + tool + "(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items()) + ")]"
-    if name == "default" and renderer.get("tool_parser") == "qwen3":
+    if name == "default" and renderer.get("tool_parser") == "qwen3":  # family-name-ok: a tool parser's name
         return "<tool_call>" + json.dumps({"name": tool, "arguments": args}) + "</tool_call>"
     return ""
 

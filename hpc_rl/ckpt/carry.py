@@ -1,8 +1,8 @@
 """Tensors of the input checkpoint that the trained model does not hold, for its HF export.
 
-A model class may declare checkpoint tensors it drops on load: transformers'
-`NemotronHForCausalLM` drops the multi-token-prediction layers (`mtp.*`, see
-hpc_rl/models/mtp.py), so the trainer never sees them and an export of its weights alone would
+A model class may declare checkpoint tensors it drops on load: transformers' Nemotron-H
+class drops the multi-token-prediction layers (`mtp.*`, see
+hpc_rl/models/families/nemotron_h/mtp.py), so the trainer never sees them and an export of its weights alone would
 lose them. The export copies those tensors from the checkpoint the backend loaded, byte for
 byte (read and written by safetensors, never cast), with the config keys that describe them.
 

@@ -56,6 +56,9 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("slurm/preflight.py", "cluster"),
     ("config/support.py", "refused"),
     ("config/support_memory.py", "refused"),
+    # each model family's refusals (models/families/<name>/), reported by rl/inputs.py
+    *((str(p.relative_to(Path(__file__).resolve().parents[1])), "inputs")
+      for p in sorted((Path(__file__).resolve().parents[1] / "models" / "families").glob("*/__init__.py"))),
 ]
 KINDS = {
     "checked": "checked by validation on every launch, the dry run included (exit 2, nothing submitted)",
@@ -68,7 +71,7 @@ KINDS = {
 }
 # `{key}` at the start of a violation's key names a role section; these functions name fewer.
 ROLE_KEYS = ("trainer", "generator", "teachers.*", "env")
-ROLE_KEYS_OF = {"_parallel_combinations": ("trainer", "teachers.*"), "_check_nemotron_h": ("trainer", "teachers.*")}
+ROLE_KEYS_OF = {"_parallel_combinations": ("trainer", "teachers.*"), "_check_family_parallel": ("trainer", "teachers.*")}
 
 
 @dataclass
@@ -183,7 +186,7 @@ class _Calls(ast.NodeVisitor):
         def arg(i: int, kw: str) -> Optional[ast.expr]:
             return node.args[i] if len(node.args) > i else next((k.value for k in node.keywords if k.arg == kw), None)
 
-        if name == "Violation" and arg(3, "fix") is not None:
+        if name in ("Violation", "Refusal") and arg(3, "fix") is not None:
             key, problem, fix = self.patterns(arg(0, "key")), self.text(arg(2, "problem")), self.text(arg(3, "fix"))
         elif name == "check_positive" and arg(1, "key") is not None:
             low = arg(3, "minimum")

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
+from hpc_rl.models import families
+
 from .schema_agentic import AgenticConfig
 from .schema_algo import AlgoConfig, ValidationConfig
 from .schema_model import ModelShapeConfig
@@ -126,9 +128,10 @@ class ModelConfig(Traced):
     # A Hugging Face checkpoint directory (config.json, safetensors, tokenizer), or tiny:<name> /
     # tiny_moe:<name> / tiny_nemotron:<name> / tiny_nemotron_moe:<name> for a small test model built on this machine.
     path: Optional[str] = None
-    # The checkpoint's Hugging Face model_type (llama, qwen2, qwen3, qwen3_moe, nemotron_h): validation refuses
-    # one the trainer backend cannot load; the fsdp2 backend's expert parallel needs qwen3_moe or an MoE nemotron_h.
-    architecture: str = "llama"
+    # The checkpoint's Hugging Face model_type, one of the family registry's (hpc_rl/models/families/):
+    # validation refuses one the trainer backend cannot load; the fsdp2 backend's expert parallel needs an
+    # MoE family's checkpoint with routed experts.
+    architecture: str = families.DEFAULT
     params_b: Optional[float] = None  # total parameters, billions
     num_experts: Optional[int] = None  # routed experts per MoE layer; None for dense models
     # The sizes memory planning uses while the checkpoint's config.json cannot be read (estimates).

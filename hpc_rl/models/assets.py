@@ -13,7 +13,7 @@ goes to a temporary directory renamed into place when complete.
     python -m hpc_rl.models.assets agentic    # the tool-using calculator teacher (AGENTIC_ASSETS)
 
 This module is the sets and their builds, above what it builds with: the specs, builders and
-training (models/asset_models.py), the MTP layer (models/mtp.py) and the agentic teacher
+training (models/asset_models.py), the MTP layer (models/families/nemotron_h/mtp.py) and the agentic teacher
 (agentic/teacher.py), none of which imports it.
 """
 
@@ -30,7 +30,7 @@ from .asset_models import (AGENTIC_ASSETS, ASSET_VERSION, MOE_ASSETS, NEMOTRON_H
                            NEMOTRON_H_MOE_TRAINED, AgenticAssetSpec, AssetSpec, ModelSpec, MoeModelSpec,
                            NemotronHModelSpec, NemotronHMoeModelSpec, TrainSpec, _batch, build_base, chat_prompt,
                            encode_sft, greedy_accuracy, new_model, save_untrained, sft, train_steps)
-from .mtp import WithMtpSpec, build_with_mtp
+from .families.nemotron_h.mtp import WithMtpSpec, build_with_mtp
 
 # The MoE hybrid Nemotron-H set as referenced (tiny_nemotron_moe:<name>): each checkpoint of
 # NEMOTRON_H_MOE_TRAINED (asset_models.py) with one MTP layer

@@ -8,10 +8,14 @@ exactly this slice returns the slice itself: the loaders, their fused-member off
 vLLM's layerwise reload all run unchanged, and no rank ever holds a whole tensor.
 
 A worker may hold several boxes of one tensor along the same dimension (Nemotron-H's
-Mamba in_proj: its z, x, B, C and dt rows, refit/nemotron_h_layout.py). vLLM's loader
+Mamba in_proj: its z, x, B, C and dt rows, models/families/nemotron_h/refit_layout.py). vLLM's loader
 first narrows the whole to one part, then to its rank's rows of that part: a narrow that
 contains whole boxes returns a wrapper of that range, a narrow to exactly what is held
 returns the tensor.
+
+With a single B/C group (n_groups == 1) vLLM's Mamba loader (mamba_mixer2.py
+`mamba_v2_sharded_weight_loader`) takes each part by a slice along dim 0 (`loaded_weight[a:b]`):
+a slice with no step reads as that narrow.
 
 vLLM 0.32's MoE loader (fused_moe/routed_experts.py) gives a single expert's tensor a dummy
 expert dimension and takes it off again (`loaded_weight.unsqueeze(0)`, then `.unbind()`)
@@ -31,6 +35,15 @@ import torch
 _NARROW = {torch.Tensor.narrow, torch.narrow}
 _UNSQUEEZE = {torch.Tensor.unsqueeze, torch.unsqueeze}
 _UNBIND = {torch.Tensor.unbind, torch.unbind}
+
+
+def _dim0_slice(index):
+    """(start, stop) of an index that is a plain slice along dim 0 (`t[a:b]`, `t[a:b, ...]`), else None."""
+    if isinstance(index, tuple) and len(index) == 2 and index[1] is Ellipsis:
+        index = index[0]
+    if isinstance(index, slice) and index.step in (None, 1) and index.start is not None and index.stop is not None:
+        return int(index.start), int(index.stop)
+    return None
 
 
 class PreShardedWeight(torch.Tensor):
@@ -77,6 +90,9 @@ class PreShardedWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _NARROW and isinstance(args[0], PreShardedWeight):
             return args[0]._narrow(*args[1:], **kwargs)
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], PreShardedWeight) and _dim0_slice(args[1]):
+            start, stop = _dim0_slice(args[1])
+            return args[0]._narrow(0, start, stop - start)
         if func in _UNSQUEEZE and isinstance(args[0], PreShardedWeight):
             return args[0]._unsqueeze(*args[1:], **kwargs)
         if func in _UNBIND and isinstance(args[0], PreShardedWeight) and getattr(args[0], "_squeezed", None) is not None:
@@ -100,11 +116,25 @@ class PreShardedWeight(torch.Tensor):
         out._squeezed = self
         return out
 
+    def _covers(self, inside, start: int, stop: int) -> bool:
+        """The held boxes `inside` cover rows start..stop without a gap."""
+        at = start
+        for a, t in inside:
+            if a > at:
+                return False
+            at = max(at, a + t.shape[self._split])
+        return at >= stop
+
     def _narrow(self, dim: int, start, length: int) -> torch.Tensor:
         dim, start, length = int(dim) % len(self.shape), int(start), int(length)
         stop = start + length
         inside = [(a, t) for a, t in self._rows if a < stop and a + t.shape[self._split] > start]
         whole = all(start <= a and a + t.shape[self._split] <= stop for a, t in inside)
+        if dim == self._split and inside and self._covers(inside, start, stop):
+            # rows this worker holds, whole boxes or part of one (a replicated B/C group merged
+            # with its neighbours into one box): those rows themselves
+            parts = [t.narrow(dim, max(start - a, 0), min(stop, a + t.shape[dim]) - max(start, a)) for a, t in inside]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         if dim != self._split or not inside or not whole:
             raise RuntimeError(
                 f"{self._label}: vLLM's loader asked for rows {start}:{stop} of dim {dim}, this worker "

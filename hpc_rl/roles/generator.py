@@ -65,13 +65,15 @@ class GeneratorRole:
         """The driver sends the refit setup; the engine checks the destination layout
         against its live model (a mismatch stops the run here, before any step) and its
         workers join the refit group."""
+        from hpc_rl.models.families import hf_config
         from hpc_rl.refit.layout import Layout
         from hpc_rl.refit.vllm_engine import engine_first_rank
         from hpc_rl.refit.vllm_layout import check_against_model
 
         setup = exchange.recv(self.routes.driver)
         check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
-                            self.engine.params(), self.engine.tensor_parallel, expert_parallel=self.engine.expert_parallel)
+                            self.engine.params(), self.engine.tensor_parallel, expert_parallel=self.engine.expert_parallel,
+                            hf_config=hf_config(self.cfg.model.path))
         first = engine_first_rank(len(self.routes.trainer), self.index, self.engine.tensor_parallel)
         out = self.engine.join_refit(setup, first, self.ctx.store_addr, self.ctx.store_port)
         self.refit_prefix = setup.prefix

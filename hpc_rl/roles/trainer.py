@@ -53,6 +53,7 @@ class TrainerRole:
         """The refit group: every trainer rank (its shards) and each engine's workers. The
         driver describes both layouts and sends the setup to every generator; the trainer
         ranks get it inside their group; every member rebuilds the same plan from it."""
+        from hpc_rl.models.families import hf_config
         from hpc_rl.refit.session import RefitEndpoint
         from hpc_rl.refit.transports import make_transport
         from hpc_rl.refit.vllm_engine import refit_setup
@@ -68,7 +69,8 @@ class TrainerRole:
             setup = refit_setup(specs, len(r.trainer), len(r.generators), f"refit/{self.ctx.ident.restart}",
                                 timeout_s=cfg.refit.timeout_s, bucket_bytes=cfg.refit.bucket_mb << 20,
                                 transport=cfg.refit.transport, domain_of=domain_of,
-                                engine_tp=cfg.generator.parallel.tp, src=src, engine_ep=cfg.generator.parallel.ep > 1)
+                                engine_tp=cfg.generator.parallel.tp, src=src, engine_ep=cfg.generator.parallel.ep > 1,
+                                hf_config=hf_config(cfg.model.path))
             for g in r.generators:
                 exchange.send(setup, g)
         setup = exchange.share(setup, r.driver, self.ctx.groups.role)

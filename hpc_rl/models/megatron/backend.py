@@ -30,11 +30,13 @@ from hpc_rl.runtime import sealed
 from hpc_rl.models.backend import BackendSpec, LossFn, Shards, parallel_sizes
 from hpc_rl.models.nonfinite import NonFiniteGuard, tensors_finite
 
-from . import config_map, memory, nemotron_h_mapping
+from hpc_rl.models.families.nemotron_h import megatron_mapping as nemotron_h_mapping
+
+from . import config_map, memory
 from .greedy import greedy_rows
 from .hf_mapping import Style, hf_to_megatron, padded_vocab
-from .nemotron_h_mapping import NemotronHDims, dims_of
-from .nemotron_h_refit import pieces
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims, dims_of
+from hpc_rl.models.families.nemotron_h.megatron_refit import pieces
 from .loading import check_hybrid_packages, have_te, lr_at, meta_hf_model, read_hf
 from .refit_layout import local_hf_shards, megatron_layout
 from .shards import Parallel, coords_of, local_state, mesh_groups

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
-from . import nemotron_h_config
+from hpc_rl.models.families.nemotron_h import megatron_config as nemotron_h_config
 from .hf_mapping import MappingError, ModelDims, padded_vocab
 from .memory import optimizer_offload_kwargs, recompute_problems
-from .nemotron_h_mapping import NemotronHDims, dims_of
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims, dims_of
 from .shards import Parallel
 
 # vLLM's CPU twin and the HF forward use plain attention; so do we unless TE is present.

@@ -36,6 +36,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from hpc_rl.models.families import DEFAULT, FAMILIES
+
 GOALS = {"hf_vs_megatron": 1.05, "vllm_vs_megatron": 1.01}
 
 
@@ -55,13 +57,20 @@ def _sft_batch(tok):
 def _spec(model: str):
     from hpc_rl.models.assets import ModelSpec, NemotronHModelSpec
 
-    if model == "nemotron_h":
+    if _hybrid(model):
         return NemotronHModelSpec(hidden=256, pattern="M*M-", heads=4, mamba_heads=8, mamba_head_dim=32, n_groups=2,
                                   ssm_state=64, chunk=128, intermediate=512, max_positions=256)
     return ModelSpec(hidden=256, intermediate=512, layers=2, heads=4, max_positions=256)
 
 
-def run(out: dict, tmp: Path, model: str = "llama") -> None:
+def _hybrid(model: str) -> bool:
+    """The family's layers are a Mamba/attention/MLP pattern (megatron-core's MambaModel)."""
+    from hpc_rl.models import families
+
+    return families.named(model).shape == "hybrid"
+
+
+def run(out: dict, tmp: Path, model: str = DEFAULT) -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,7 +137,7 @@ def run(out: dict, tmp: Path, model: str = "llama") -> None:
     if not (nan["nonfinite_skipped"] == 1.0 and same):
         raise RuntimeError(f"a NaN loss was not skipped cleanly: {out['nonfinite_step']}")
 
-    if model == "llama":  # Nemotron-H's MambaStack has no full recompute (models/megatron/memory.py)
+    if not _hybrid(model):  # Nemotron-H's MambaStack has no full recompute (models/megatron/memory.py)
         out["stage"] = "memory savers"
         from hpc_rl.config.schema_trainer import MegatronMemoryConfig
 
@@ -158,7 +167,8 @@ def run(out: dict, tmp: Path, model: str = "llama") -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["llama", "nemotron_h"], default="llama")
+    # a dense GPT family's tiny model, or the hybrid's (the tiny assets of the two kinds)
+    ap.add_argument("--model", choices=[f.name for f in FAMILIES if f.megatron and f.tiny], default=DEFAULT)
     ap.add_argument("--out", default="bench/results/megatron_gpu.json")
     args = ap.parse_args()
     import torch

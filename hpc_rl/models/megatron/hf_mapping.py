@@ -25,9 +25,11 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-# Hugging Face model_type -> the causal-LM classes this module maps.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+from hpc_rl.models import families
+
+# Hugging Face model_type -> the causal-LM classes this module maps: the families whose
+# megatron traits are Llama-style (the hybrid one maps in models/families/nemotron_h/megatron_mapping.py)
+ARCHITECTURES = {f.name: f.architectures[0] for f in families.FAMILIES if f.megatron and not f.megatron.hybrid}
 
 
 class MappingError(ValueError):
@@ -55,13 +57,14 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> "ModelDims":
-        arch = cfg.get("model_type")
-        if arch not in ARCHITECTURES:
-            raise MappingError(f"model_type {arch!r}: the Megatron mapping covers {sorted(ARCHITECTURES)}")
+        fam = families.of_config(cfg)
+        if fam is None or fam.name not in ARCHITECTURES:
+            raise MappingError(f"model_type {cfg.get('model_type')!r}: the Megatron mapping covers {sorted(ARCHITECTURES)}")
+        arch, traits = fam.name, fam.megatron
         heads = cfg["num_attention_heads"]
         n = cfg["num_hidden_layers"]
         # transformers 5 writes num_local_experts, 4.x num_experts
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch == "qwen3_moe" else 0
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if traits.sparse_step else 0
         moe_layers: Tuple[int, ...] = ()
         if experts:
             # transformers' Qwen3-MoE rule: a layer is sparse unless listed in mlp_only_layers,
@@ -73,7 +76,7 @@ class ModelDims:
                    kv_heads=cfg.get("num_key_value_heads") or heads,
                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                    ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
-                   qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)), qk_norm=arch in ("qwen3", "qwen3_moe"),
+                   qkv_bias=traits.qkv_bias or bool(cfg.get("attention_bias", False)), qk_norm=traits.qk_norm,
                    num_experts=experts, moe_ffn=int(cfg.get("moe_intermediate_size") or 0), moe_layers=moe_layers)
 
     def is_moe(self, layer: int) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping
 
 from .hf_mapping import ModelDims
-from .nemotron_h_mapping import NemotronHDims
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims
 
 # trainer.activation_checkpointing on megatron: every layer recomputed in the backward, as the
 # fsdp2 backend's per-block checkpoint does (one layer per recompute group)

@@ -31,9 +31,10 @@ import torch
 from hpc_rl.refit.layout import Layout, LayoutError, Piece, merge
 from hpc_rl.refit.vllm_layout import vllm_tp_layout
 
-from . import nemotron_h_mapping, nemotron_h_refit
+from hpc_rl.models.families.nemotron_h import megatron_mapping as nemotron_h_mapping
+from hpc_rl.models.families.nemotron_h import megatron_refit as nemotron_h_refit
 from .hf_mapping import ModelDims, Style, _layer_names, hf_to_megatron, split_qkv, vocab_rows
-from .nemotron_h_mapping import NemotronHDims
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims
 from .shards import Parallel, coords_of, local_state, stage_layers
 
 Start = Tuple[int, ...]

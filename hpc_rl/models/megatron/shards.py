@@ -38,7 +38,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from .hf_mapping import MappingError, ModelDims
-from .nemotron_h_mapping import NemotronHDims
+from hpc_rl.models.families.nemotron_h.megatron_mapping import NemotronHDims
 
 Index = Tuple[slice, ...]
 

@@ -1,35 +1,26 @@
 """What differs between MoE families for expert parallel and per-expert checkpoint names.
 
 One dispatch path (expert_parallel.py) and one name translation (expert_names.py) serve every
-family listed here; a family is data: which Hugging Face block holds the experts, which 3-D
-parameters the experts module keeps (expert dimension first, [E, out, in] as for F.linear),
-how one expert's MLP runs on its rows, and which per-expert tensor each fused one becomes in
-checkpoints and vLLM's loaders.
-
-- Qwen3-MoE (transformers 5, in memory): `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows then
-  up rows) and `mlp.experts.down_proj` [E, H, I]; a gated SiLU MLP. Checkpoint names
-  `mlp.experts.<e>.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I].
-- Nemotron-H (NemotronHMoE): `mixer.experts.up_proj` [E, I, L] and `mixer.experts.down_proj`
-  [E, L, I], non-gated relu2, where L is `moe_latent_size` (the experts work between the
-  block's `fc1_latent_proj` and `fc2_latent_proj`) or the hidden size without a latent MoE.
-  Checkpoint names `mixer.experts.<e>.up_proj.weight` [I, L] and `down_proj.weight` [L, I]
-  (what save_pretrained writes and vLLM's Nemotron-H loader reads as its w1/w2 of the
-  fused MoE). The router (`mixer.gate`: weight and the fp32 buffer `e_score_correction_bias`),
-  the shared expert and both latent projections are not experts: they stay replicated
-  (FSDP2-sharded like any dense weight) and keep their own names.
+MoE family of the registry (hpc_rl/models/families/: each MoE family's `ExpertLayout` says
+which Hugging Face block holds the experts, which 3-D parameters the experts module keeps
+(expert dimension first, [E, out, in] as for F.linear) and which per-expert tensor each fused
+one becomes in checkpoints and vLLM's loaders). This module adds how one expert's MLP runs on
+its rows: `gated` (act(gate) * up, one fused gate_up_proj with gate rows first, as HF keeps it)
+or `plain` (act(up), no gate: non-gated relu2 experts). The router, shared experts and latent
+projections are not experts: they stay replicated (FSDP2-sharded like any dense weight) and
+keep their own names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
 
-# fused parameter -> its per-expert tensors: (checkpoint suffix, part, parts) = rows
-# [part*R/parts, (part+1)*R/parts) of the expert's [R, C] slice
-Members = Mapping[str, Tuple[Tuple[str, int, int], ...]]
+from hpc_rl.models import families
+from hpc_rl.models.families.spec import Members
 
 
 @dataclass(frozen=True)
@@ -53,13 +44,11 @@ def _plain(x: torch.Tensor, w: Dict[str, torch.Tensor], act: Callable) -> torch.
     return F.linear(act(F.linear(x, w["up_proj"])), w["down_proj"])
 
 
-FAMILIES: Tuple[ExpertFamily, ...] = (
-    ExpertFamily("qwen3_moe", ("Qwen3MoeSparseMoeBlock",),
-                 {"gate_up_proj": (("gate_proj.weight", 0, 2), ("up_proj.weight", 1, 2)),
-                  "down_proj": (("down_proj.weight", 0, 1),)}, _gated),
-    ExpertFamily("nemotron_h", ("NemotronHMoE",),
-                 {"up_proj": (("up_proj.weight", 0, 1),), "down_proj": (("down_proj.weight", 0, 1),)}, _plain),
-)
+_MLPS = {"gated": _gated, "plain": _plain}
+
+FAMILIES: Tuple[ExpertFamily, ...] = tuple(
+    ExpertFamily(f.name, f.experts.blocks, f.experts.members, _MLPS[f.experts.mlp])
+    for f in families.FAMILIES if f.experts is not None)
 
 
 def _all_members() -> Dict[str, Tuple[Tuple[str, int, int], ...]]:

@@ -138,7 +138,7 @@ def add_mtp_layer(checkpoint, seed: int = 0, pattern: Optional[str] = None) -> L
 
 @dataclass(frozen=True)
 class WithMtpSpec:
-    """A trained set with one MTP layer added to every checkpoint (models/mtp.py), as Nemotron 3
+    """A trained set with one MTP layer added to every checkpoint (models/families/nemotron_h/mtp.py), as Nemotron 3
     checkpoints carry them: a derived set cached on its own, so adding the layer (seconds)
     never retrains the base set (an hour on 2 cores for the MoE hybrid)."""
 
@@ -153,8 +153,8 @@ def build_with_mtp(spec: WithMtpSpec, root: Optional[Path], log: Callable[[str],
     """The assets of `spec` (assets.Assets): the base set's checkpoints, each with one MTP layer."""
     import shutil
 
-    from .asset_cache import cached_build
-    from .asset_models import build_base
+    from hpc_rl.models.asset_cache import cached_build
+    from hpc_rl.models.asset_models import build_base
 
     base = build_base(spec.base, root, log)
 

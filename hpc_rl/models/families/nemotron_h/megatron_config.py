@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping
 
-from .hf_mapping import padded_vocab
-from .nemotron_h_mapping import NemotronHDims
-from .shards import Parallel
+from hpc_rl.models.megatron.hf_mapping import padded_vocab
+from .megatron_mapping import NemotronHDims
+from hpc_rl.models.megatron.shards import Parallel
 
 
 def layout_problems(hf: Mapping, d: NemotronHDims, p: Parallel, sequence_parallel: bool, max_seq_len: int,

@@ -1,6 +1,6 @@
 """The refit source side of a Megatron-core Nemotron-H trainer (issue #25): a rank's local
 MambaModel tensors as boxes of the HF checkpoint tensors (`backbone.` names), for the refit
-planner, which moves them into vLLM's Nemotron-H layout (hpc_rl/refit/nemotron_h_layout.py).
+planner, which moves them into vLLM's Nemotron-H layout (refit_layout.py).
 
 Where a rank's tensor is one box of the HF tensor (heads, rows, columns, whole), it is one
 (start, view) pair. A Mamba mixer's in_proj on tensor-parallel rank r holds
@@ -19,9 +19,9 @@ import torch
 
 from hpc_rl.refit.layout import LayoutError
 
-from .hf_mapping import Style, split_qkv, vocab_rows
-from .nemotron_h_mapping import NemotronHDims, layer_renames
-from .shards import Parallel, _kind, coords_of, stage_layers
+from hpc_rl.models.megatron.hf_mapping import Style, split_qkv, vocab_rows
+from .megatron_mapping import NemotronHDims, layer_renames
+from hpc_rl.models.megatron.shards import Parallel, _kind, coords_of, stage_layers
 
 Start = Tuple[int, ...]
 Boxes = Union[Tuple[Start, torch.Tensor], List[Tuple[Start, torch.Tensor]]]

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from typing import List, Optional, Sequence, Tuple
 
-from .layout import LayoutError, Piece
+from hpc_rl.refit.layout import LayoutError, Piece
 
 _PART = re.compile(r"\.mixer\.(?:(?P<replicated>gate\.weight|gate\.e_score_correction_bias|fc1_latent_proj\.weight|"
                    r"fc2_latent_proj\.weight)|shared_experts\.(?P<shared>up_proj|down_proj)\.weight|"

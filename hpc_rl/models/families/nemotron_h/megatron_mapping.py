@@ -36,8 +36,8 @@ from typing import Dict, Mapping, Tuple
 
 import torch
 
-from ..hybrid_pattern import BLOCK_LETTERS, read_pattern  # noqa: F401 (BLOCK_LETTERS importable here)
-from .hf_mapping import MappingError, ModelDims, Style, _pad_rows, interleave_qkv, split_qkv, taker
+from hpc_rl.models.hybrid_pattern import BLOCK_LETTERS, read_pattern  # noqa: F401 (BLOCK_LETTERS importable here)
+from hpc_rl.models.megatron.hf_mapping import MappingError, ModelDims, Style, _pad_rows, interleave_qkv, split_qkv, taker
 
 # transformers 5 writes `layers_block_type`, NVIDIA's checkpoints `hybrid_override_pattern`
 MAMBA_PARTS = ("conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")

@@ -14,9 +14,15 @@ layers/mamba/mamba_mixer2.py, vLLM 0.32):
   half of x). A_log, D and dt_bias split by heads, the gated norm's weight [I] by rows
   (whole groups per rank when tp divides n_groups), out_proj by columns.
 
-vLLM replicates the B/C groups on every rank when n_groups == 1 and tp > 1; this layout
-assumes tp divides n_groups (rl/inputs.py refuses the other case before launch, and
-`vllm_layout.check_against_model` would catch it against the live engine's shapes).
+The B/C groups: vLLM splits them over the TP ranks when tp divides n_groups; with a single
+group (n_groups == 1, as many Mamba-2 checkpoints have) it replicates the group on every
+rank (mamba_mixer2.py: `mamba_v2_sharded_weight_loader` with `duplicate_groups`, and one
+extra group per further rank in the engine's parameter), so rank r holds [z_r, x_r, B, C,
+dt_r] of in_proj and [x_r, B, C] of conv1d. Which of the two a checkpoint needs is not in
+the tensors' shapes (G*N says nothing of G): the HF config tells (`hf_config`); without it
+the groups are split, and `vllm_layout.check_against_model` would catch a single group
+against the live engine's shapes. Other group counts that tp does not divide vLLM asserts
+against (rl/inputs.py refuses them before launch: the family's `_engine_split`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .layout import LayoutError, Piece
+from hpc_rl.refit.layout import LayoutError, Piece
 
 Specs = Mapping[str, Tuple[Sequence[int], str]]
 
@@ -68,6 +74,16 @@ def mamba_dims(specs: Specs, layer: str) -> Dict[str, int]:
     return {"heads": heads, "inner": inner, "gn": (conv - inner) // 2}
 
 
+def widens(vllm_param: str) -> bool:
+    """vLLM keeps A in float32 whatever the engine's dtype (its loader widens A_log before -exp)."""
+    return vllm_param.endswith(".mixer.A")
+
+
+def replicates_groups(hf_config: Optional[Mapping], tp: int) -> bool:
+    """vLLM keeps the single B/C group whole on every rank (n_groups == 1 and tp > 1)."""
+    return tp > 1 and hf_config is not None and hf_config.get("n_groups") == 1
+
+
 def _parts(part: str, d: Dict[str, int]) -> Optional[List[int]]:
     if part == "in_proj.weight":
         return [d["inner"], d["inner"], d["gn"], d["gn"], d["heads"]]
@@ -76,9 +92,18 @@ def _parts(part: str, d: Dict[str, int]) -> Optional[List[int]]:
     return None
 
 
-def mixer_pieces(name: str, shape: Sequence[int], specs: Specs, ranks: Sequence[int]) -> Optional[List[Piece]]:
+def _whole_parts(part: str, replicate: bool) -> Tuple[int, ...]:
+    """Indices of the parts every rank keeps whole: B and C when the single group is replicated."""
+    if not replicate:
+        return ()
+    return (2, 3) if part == "in_proj.weight" else (1, 2) if part.startswith("conv1d.") else ()
+
+
+def mixer_pieces(name: str, shape: Sequence[int], specs: Specs, ranks: Sequence[int],
+                 hf_config: Optional[Mapping] = None) -> Optional[List[Piece]]:
     """The boxes of a Mamba mixer tensor each TP rank of vLLM keeps (None: not a mixer
-    tensor of Nemotron-H's own; the caller lays it out as for Llama)."""
+    tensor of Nemotron-H's own; the caller lays it out as for Llama). `hf_config`: the
+    checkpoint's config.json (its n_groups decides whether B/C are split or replicated)."""
     m = _MIXER.match(name)
     if not m:
         return None
@@ -87,19 +112,22 @@ def mixer_pieces(name: str, shape: Sequence[int], specs: Specs, ranks: Sequence[
     full = tuple(shape)
     split_dim = 1 if part == "out_proj.weight" else 0
     sizes = _parts(part, dims) or [full[split_dim]]  # the norm, A_log, D, dt_bias, out_proj: one part
-    bad = [s for s in sizes if s % tp]
+    whole = _whole_parts(part, replicates_groups(hf_config, tp))
+    bad = [s for i, s in enumerate(sizes) if s % tp and i not in whole]
     if bad:
         raise LayoutError(f"{name}: parts of {sizes} rows do not split over tensor parallel {tp} (vLLM splits each "
                           f"of in_proj's z/x/B/C/dt, conv1d's x/B/C and the heads evenly)")
     out: List[Piece] = []
     for r, rank in enumerate(ranks):
         offset, rows = 0, []
-        for size in sizes:
-            per = size // tp
-            if rows and rows[-1][1] == offset + r * per:  # adjacent parts (tp 1): one box, as the planner expects
-                rows[-1] = (rows[-1][0], offset + (r + 1) * per)
+        for i, size in enumerate(sizes):
+            a, b = (offset, offset + size) if i in whole else (offset + r * (size // tp), offset + (r + 1) * (size // tp))
+            # adjacent parts (tp 1; a replicated group beside its neighbours): one box, as the
+            # planner expects (PreShardedWeight hands vLLM's loader each part's rows of it)
+            if rows and rows[-1][1] == a:
+                rows[-1] = (rows[-1][0], b)
             else:
-                rows.append((offset + r * per, offset + (r + 1) * per))
+                rows.append((a, b))
             offset += size
         for a, b in rows:
             start, stop = [0] * len(full), list(full)
@@ -108,11 +136,17 @@ def mixer_pieces(name: str, shape: Sequence[int], specs: Specs, ranks: Sequence[
     return out
 
 
-def local_shape(name: str, shape: Sequence[int], specs: Specs, tp: int) -> Optional[Tuple[int, ...]]:
+def local_shape(name: str, shape: Sequence[int], specs: Specs, tp: int,
+                hf_config: Optional[Mapping] = None) -> Optional[Tuple[int, ...]]:
     """The shape of vLLM's parameter for a mixer tensor on one TP rank (None: not one)."""
     m = _MIXER.match(name)
     if not m:
         return None
-    local = list(shape)
-    local[1 if m.group("part") == "out_proj.weight" else 0] //= tp
+    local, part = list(shape), m.group("part")
+    whole = _whole_parts(part, replicates_groups(hf_config, tp))
+    if whole:  # the replicated B and C whole, the other parts split
+        sizes = _parts(part, mamba_dims(specs, m.group("layer")))
+        local[0] = sum(s if i in whole else s // tp for i, s in enumerate(sizes))
+    else:
+        local[1 if part == "out_proj.weight" else 0] //= tp
     return tuple(local)
