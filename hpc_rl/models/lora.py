@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -139,6 +140,11 @@ def merged_boxes(model: torch.nn.Module, boxes: Dict[str, Tuple[Tuple[int, ...],
     return out
 
 
+def full_adapters(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every adapter tensor whole, by peft name, on CPU (a collective of the group under FSDP2)."""
+    return {n: _full(t).cpu() for n, t in model.state_dict().items() if is_adapter(n)}
+
+
 def adapter_state(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The adapters alone from a whole state dict, in the names a PEFT adapter directory stores
     (`base_model.model.<name>` without the adapter name), as `save_pretrained` writes them."""
@@ -161,13 +167,25 @@ def write_adapter_dir(model: torch.nn.Module, state: Dict[str, torch.Tensor], ou
     return out
 
 
+# bytes read per weight file for the base digest: 16 evenly spaced 256 KiB windows, so a 70B base
+# costs 16 reads per file, not 140 GB; two bases of one architecture differ in every window
+_WINDOWS, _WINDOW_BYTES = 16, 256 << 10
+
+
+@lru_cache(maxsize=8)
 def base_reference(path: str) -> Dict[str, str]:
-    """What a LoRA checkpoint records of its base model: the path and a digest of its config and
-    weight files' names and sizes (cheap at any model size; a different base fails the resume)."""
+    """What a LoRA checkpoint records of its base model: the path and a digest of its config.json
+    and of its weight files (names, sizes and sampled windows of their bytes); a resume onto
+    another base is refused (checkpoints are saved often: the digest is computed once per path)."""
     p = Path(path)
     h = hashlib.sha256((p / "config.json").read_bytes())
     for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for i in range(_WINDOWS):
+                fh.seek(size * i // _WINDOWS)
+                h.update(fh.read(_WINDOW_BYTES))
     return {"base_checkpoint": str(path), "base_digest": h.hexdigest()}
 
 
@@ -176,6 +194,13 @@ def lora_meta(model: torch.nn.Module, base_path: str) -> Dict[str, object]:
     cfg = model.hpc_rl_lora["config"]
     return {"rank": cfg.r, "alpha": cfg.lora_alpha, "target_modules": sorted(cfg.target_modules),
             **base_reference(base_path)}
+
+
+def checkpoint_meta(backend) -> Optional[Dict[str, object]]:
+    """A checkpoint manifest's `lora` entry for this backend: None when it trains every weight."""
+    if getattr(backend, "lora", None) is None:
+        return None
+    return lora_meta(backend.model, backend.checkpoint_dir)
 
 
 def meta_mismatch(saved: Optional[Dict[str, object]], live: Optional[Dict[str, object]]) -> Optional[str]:

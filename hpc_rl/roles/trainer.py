@@ -45,6 +45,10 @@ class TrainerRole:
         self.log.info("student %s (%s) loaded (%s over %d ranks: dp %d x cp %d x tp %d%s, %s)", cfg.model.path, arch,
                       cfg.trainer.backend, dist.get_world_size(ctx.groups.role), self.backend.dp_size,
                       p.cp, p.tp, f", expert parallel {p.ep}" if p.ep > 1 else "", cfg.trainer.precision)
+        if cfg.trainer.lora.enabled:  # what trains, and what the engines get (models/lora.py)
+            from hpc_rl.models.lora import summary
+
+            self.log.info("%s; refit sends the %s weights", summary(self.backend.model), cfg.trainer.lora.refit)
         self.refit_ep = None
         self._refit_cast = self._refit_want = None
 
