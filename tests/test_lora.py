@@ -225,3 +225,21 @@ def test_lora_refusals_name_the_key(overrides, key, fragment):
 def test_lora_tiny_grpo_validates():
     cfg = load_config(BASE)
     assert cfg.trainer.lora.enabled and cfg.trainer.lora.refit == "merged"
+
+
+def test_memory_model_counts_the_adapters_peft_builds(tiny_ckpt):
+    from hpc_rl.config.memory_inputs import role_inputs
+    from hpc_rl.memory.model import role_memory
+
+    b = _backend(tiny_ckpt, lora=SimpleNamespace(**{**vars(LORA), "rank": 2}))
+    live = sum(p.numel() for p in b.model.parameters() if p.requires_grad)
+    full, lora = ([role_memory(r.shape, r.setup) for r in role_inputs(load_config(
+        ["+recipe=tiny_grpo", "launcher=dry_run", f"model.path={tiny_ckpt}", *extra])) if r.role == "trainer"][0]
+        for extra in ([], ["trainer.lora.enabled=true", "trainer.lora.rank=2"]))
+    assert "LoRA: {:,} adapter parameters".format(live) in " ".join(lora.notes)
+    step_full, step_lora = full.phases["optimizer step"], lora.phases["optimizer step"]
+    assert step_lora < step_full
+    # the frozen base keeps its fp32 weights only (4 of full fine-tuning's 16 bytes per parameter); the
+    # adapters have weights, gradients, Adam's moments and the CPU step's temporaries (4 + 4 + 8 + 8)
+    base = sum(p.numel() for p in b.model.parameters()) - live
+    assert step_lora == 4 * base + 24 * live
