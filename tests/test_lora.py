@@ -215,6 +215,7 @@ BASE = ["+recipe=tiny_grpo", "launcher=dry_run", "trainer.lora.enabled=true"]
     (["trainer.lora.rank=0"], "trainer.lora.rank", "at least 1"),
     (["trainer.lora.dropout=1.0"], "trainer.lora.dropout", "[0, 1)"),
     (["trainer.lora.enabled=false", "trainer.lora.export_merged=true"], "trainer.lora.export_merged", "ignored"),
+    (["trainer.lora.enabled=false", "trainer.lora.rank=8"], "trainer.lora.rank", "ignored"),
 ])
 def test_lora_refusals_name_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as e:

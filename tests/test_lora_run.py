@@ -97,3 +97,36 @@ def test_lora_run_checkpoint_and_exports(lora_run):
         lb = merged(input_ids=ids, attention_mask=attn).logits
     assert torch.equal(a, b)
     assert torch.allclose(la, lb, atol=1e-5, rtol=0)
+
+
+RESUME = ["+recipe=tiny_grpo", "run.max_steps=4", "algo.prompts_per_step=16", "trainer.global_batch_size=128",
+          "data.samples_per_task=32", "data.eval_prompts_per_task=0", "checkpoint.every_steps=2",
+          "trainer.lora.enabled=true", "trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lora.refit=adapter",
+          "trainer.optimizer.lr=5e-3"]
+
+
+def _launch(run, *extra):
+    return subprocess.run([sys.executable, "-m", "hpc_rl.launch", *RESUME, f"run.dir={run}", *extra], capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_lora_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path):
+    """trainer:0 dies in step 3's train phase; the rerun resumes from step 2's adapter checkpoint
+    (its engines get the adapter again first) and ends with the uninterrupted run's weights, bit
+    for bit (summary.json's digest of the merged weights), after the same samples."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    done = _launch(ref)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first = _launch(run, "ft.inject_failure=trainer:0:kill@train3")
+    assert first.returncode != 0
+    again = _launch(run)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resum" in (again.stdout + again.stderr + "".join(p.read_text() for p in (run / "logs").glob("trainer.0.*")))
+    with h5py.File(run / "rollouts.h5", "r") as got, h5py.File(ref / "rollouts.h5", "r") as want:
+        for s in range(1, 5):
+            name = f"step_{s:06d}"
+            assert np.array_equal(got[name]["input_ids"][:], want[name]["input_ids"][:]), name
+            assert np.array_equal(got[name]["generation_logprobs"][:], want[name]["generation_logprobs"][:]), name
+    digests = [json.loads((d / "summary.json").read_text())["final_weights_sha256"] for d in (run, ref)]
+    assert digests[0] == digests[1]

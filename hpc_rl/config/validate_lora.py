@@ -3,17 +3,19 @@ what the adapters cannot honour in this version is refused here, before anything
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 from .errors import Violation, check_positive
+from .schema_lora import LoraConfig
 
 
 def check_lora(out: List[Violation], cfg) -> None:
     t, lo = cfg.trainer, cfg.trainer.lora
     if not lo.enabled:
-        for key, value, default in (("refit", lo.refit, "merged"), ("export_merged", lo.export_merged, False),
-                                    ("target_modules", lo.target_modules, None)):
-            if value != default:
+        for f in dataclasses.fields(LoraConfig):
+            key, value, default = f.name, getattr(lo, f.name), getattr(LoraConfig(), f.name)
+            if key != "enabled" and value != default:
                 out.append(Violation(f"trainer.lora.{key}", value, "it applies to LoRA adapters, and "
                                      "trainer.lora.enabled is false: it would be ignored",
                                      f"set trainer.lora.enabled=true, or remove trainer.lora.{key}"))
