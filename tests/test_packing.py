@@ -113,6 +113,18 @@ def test_bins_pack_unpack_roundtrip():
         row_lengths(attn_holes)
 
 
+def test_attn_implementation_is_honoured_on_packed_rows(ckpts):
+    """trainer.attn_implementation reaches the model (eager here: the kernel with no fused path) and
+    packed rows still keep each sample's attention to itself under it."""
+    ids, attn = rl_batch()
+    padded = FSDP2Backend(ckpts["llama"], precision="fp32", train=False)
+    packed = FSDP2Backend(ckpts["llama"], precision="fp32", train=False, packing=True, logprob_batch_tokens=64,
+                          attn_implementation="eager")
+    assert packed.model.config._attn_implementation == "eager" != padded.model.config._attn_implementation
+    mask = attn.bool()
+    assert float((padded.logprobs(ids, attn) - packed.logprobs(ids, attn))[mask].abs().max()) <= VALUE_TOL
+
+
 @pytest.mark.parametrize("family", list(SPECS))
 def test_packed_equals_padded_one_rank(ckpts, family):
     ids, attn = rl_batch()
@@ -194,6 +206,13 @@ REFUSED = [
      "without tensor parallel"),
     (["trainer.packing=true", "+teachers.add.parallel.cp=2", "+teachers.add.tasks_per_node=2"], "teachers.add.parallel.cp",
      "without context parallel"),
+    # trainer.attn_implementation (validate_packing.py check_attention)
+    (["trainer.attn_implementation=flash"], "trainer.attn_implementation", "not one of"),
+    (["trainer.attn_implementation=flash_attention_2"], "trainer.attn_implementation", "CUDA-only"),
+    (["trainer.attn_implementation=flash_attention_2", "cluster=h100", "trainer.precision=fp32"], "trainer.precision",
+     "fp16/bf16 only"),
+    (["trainer.attn_implementation=flash_attention_2", "cluster=h100", "trainer.precision=bf16",
+      "teachers.add.precision=fp32"], "teachers.add.precision", "fp16/bf16 only"),
 ]
 
 

@@ -92,7 +92,8 @@ class TrainerMemoryConfig(Traced):
     # recompute_granularity=full, recompute_method=uniform, recompute_num_layers=1).
     activation_checkpointing: bool = False
     # Sequence packing: several samples share one row, each with its own position ids; attention
-    # never crosses samples (a block-diagonal mask on CPU, variable-length attention on GPUs) and
+    # never crosses samples (a block-diagonal mask built from the position ids; variable-length
+    # flash attention with trainer.attn_implementation=flash_attention_2 on GPU clusters) and
     # Nemotron-H's Mamba state restarts at every sample (hpc_rl/models/packing.py). Train
     # micro-batches are then formed by trainer.micro_batch_tokens (not micro_batch_size rows) and
     # the no-grad log-prob pass packs rows of up to logprob_batch_tokens tokens; the loss is the
@@ -102,6 +103,12 @@ class TrainerMemoryConfig(Traced):
     # placed first-fit by decreasing length. None: trainer.max_seq_len (the longest sample fits
     # alone). At least trainer.max_seq_len.
     micro_batch_tokens: Optional[int] = None
+    # transformers' attention kernel for the student and the teachers on fsdp2: sdpa | eager |
+    # flash_attention_2 (None: transformers' default for the model, sdpa where it has one).
+    # flash_attention_2 runs packed rows as variable-length attention (no block-diagonal mask:
+    # each sample's attention costs its own length squared); it needs the flash-attn package on
+    # the GPU nodes, a 16-bit compute precision and a GPU cluster.
+    attn_implementation: Optional[str] = None
     # Leave out of the train step the rows that train nothing: under GRPO a group of equal rewards has
     # advantage 0 on every token (and the overlong filter may leave a row no trained token), so its
     # loss and gradient are exactly 0. The loss's denominator still counts them, so the step's loss

@@ -35,7 +35,7 @@ from .validate_logging import check_logging
 from .validate_lora import check_lora
 from .validate_memory import check_memory
 from .validate_memory_plan import check_memory_keys
-from .validate_packing import check_packing
+from .validate_packing import check_attention, check_packing
 from .validate_rundir import check_run_dir
 
 
@@ -156,6 +156,7 @@ def check_trainer(out: List[Violation], cfg: RunConfig) -> None:
     check_positive(out, "trainer.max_nonfinite_steps", t.max_nonfinite_steps, minimum=0)  # 0: the first one fails
     check_memory(out, t)  # trainer.logprob_chunk_tokens / logprob_batch_tokens (validate_memory.py)
     check_packing(out, cfg)  # trainer.packing / micro_batch_tokens (validate_packing.py)
+    check_attention(out, cfg)  # trainer.attn_implementation (validate_packing.py)
     cp, tp = t.parallel.cp, t.parallel.tp
     if cp > 1 and t.max_seq_len > 0:
         # Context parallel load-balances causal attention by cutting sequences into 2*cp chunks;

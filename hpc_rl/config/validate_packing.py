@@ -1,5 +1,6 @@
 """Validation of sequence packing (`trainer.packing`, `trainer.micro_batch_tokens`; the fsdp2
-backend's models/packing.py), beside validate.py: what the packed forward cannot honour is
+backend's models/packing.py) and of the attention kernel that runs packed rows
+(`trainer.attn_implementation`), beside validate.py: what the packed forward cannot honour is
 refused here, before anything is submitted."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from typing import List
 
 from .errors import Violation, check_positive
-from .resources import teacher_groups
+from .resources import gpus_per_node, teacher_groups
 
 
 def check_packing(out: List[Violation], cfg) -> None:
@@ -49,3 +50,37 @@ def check_packing(out: List[Violation], cfg) -> None:
                                      f"without {'context' if dim == 'cp' else 'tensor'} parallel in this version "
                                      "(a packed row's sample boundaries are not carried across its ranks)",
                                      f"set {key}.parallel.{dim}=1, or trainer.packing=false"))
+
+
+# transformers' names; flash_attention_2 is the variable-length kernel for packed rows on GPUs
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def check_attention(out: List[Violation], cfg) -> None:
+    t = cfg.trainer
+    impl = t.attn_implementation
+    if impl is None:
+        return
+    if impl not in ATTN_IMPLEMENTATIONS:
+        out.append(Violation("trainer.attn_implementation", impl, f"not one of {list(ATTN_IMPLEMENTATIONS)}",
+                             "set trainer.attn_implementation to sdpa, eager or flash_attention_2, or remove it "
+                             "(transformers' default)"))
+        return
+    if t.backend != "fsdp2":
+        out.append(Violation("trainer.attn_implementation", impl,
+                             f"trainer.backend={t.backend} runs megatron-core's own attention; the key chooses "
+                             "transformers' kernel on fsdp2", "remove trainer.attn_implementation with megatron"))
+    if impl != "flash_attention_2":
+        return
+    if gpus_per_node(t, cfg.cluster) == 0:
+        out.append(Violation("trainer.attn_implementation", impl,
+                             "flash-attn's kernels are CUDA-only; the trainer has no GPUs here (cluster.gpus_per_node=0)",
+                             "remove trainer.attn_implementation (sdpa with a block-diagonal mask runs packed rows on CPU)"))
+    # flash-attn takes fp16/bf16 inputs only: the compute precision of every model that runs it
+    for key, precision in [("trainer.precision", t.precision)] + [
+            (f"{g.key}.precision", g.config.precision) for g in teacher_groups(cfg) if g.config.precision]:
+        if precision == "fp32":
+            out.append(Violation(key, precision,
+                                 "trainer.attn_implementation=flash_attention_2 computes in fp16/bf16 only (flash-attn "
+                                 "has no fp32 kernel)",
+                                 f"set {key}=bf16, or trainer.attn_implementation=sdpa"))

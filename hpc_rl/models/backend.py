@@ -93,6 +93,8 @@ class BackendSpec:
     # trainer.micro_batch_tokens (the student's packed micro-batches; None: one sample per row)
     packing: bool = False
     micro_batch_tokens: Any = None
+    # trainer.attn_implementation (fsdp2, the student and the teachers; None: transformers' default)
+    attn_implementation: Any = None
     # trainer.cpu_offload (fsdp2, the student only): FSDP2 keeps parameters, gradients and
     # optimizer state in host memory and steps the optimizer there
     cpu_offload: bool = False

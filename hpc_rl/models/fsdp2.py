@@ -90,6 +90,7 @@ class FSDP2Backend:
                    logprob_batch_tokens=spec.logprob_batch_tokens,
                    activation_checkpointing=spec.activation_checkpointing, packing=spec.packing,
                    micro_batch_tokens=spec.micro_batch_tokens, cpu_offload=spec.cpu_offload,
+                   attn_implementation=spec.attn_implementation,
                    lora=spec.train.lora if spec.train is not None and spec.train.lora.enabled else None)
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
@@ -97,7 +98,8 @@ class FSDP2Backend:
                  parallel: Optional[Dict[str, int]] = None, sequence_parallel: bool = False,
                  logprob_chunk_tokens: Optional[int] = None, logprob_batch_tokens: Optional[int] = None,
                  activation_checkpointing: bool = False, packing: bool = False,
-                 micro_batch_tokens: Optional[int] = None, cpu_offload: bool = False, lora=None):
+                 micro_batch_tokens: Optional[int] = None, cpu_offload: bool = False,
+                 attn_implementation: Optional[str] = None, lora=None):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -116,7 +118,10 @@ class FSDP2Backend:
         self.packing = bool(packing)
         self.micro_batch_tokens = int(micro_batch_tokens) if micro_batch_tokens else None
         # Master weights stay fp32; bf16/fp16 apply to compute through FSDP's mixed precision.
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).to(self.device)
+        # trainer.attn_implementation (None: transformers' default); flash_attention_2 reads a packed
+        # row's position ids as variable-length sequences (validate_packing.py checks where it can run)
+        attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, **attn).to(self.device)
         # trainer.lora: peft adapters injected before any sharding; the base weights freeze (models/lora.py)
         self.lora = lora if train else None
         if self.lora is not None:

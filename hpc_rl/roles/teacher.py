@@ -39,7 +39,7 @@ class TeacherRole:
         self.backend = build_backend(cfg.trainer.backend, BackendSpec(
             checkpoint, precision, ctx.device, ctx.groups.role, parallel=parallel_sizes(t.parallel),
             logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, logprob_batch_tokens=cfg.trainer.logprob_batch_tokens,
-            packing=cfg.trainer.packing))
+            packing=cfg.trainer.packing, attn_implementation=cfg.trainer.attn_implementation))
         self.router = router = TeacherRouter.from_config(cfg)
         ctx.log.info("teacher group %s (aliases %s) loaded from %s (%s backend)", group,
                      [a for a in router.checkpoints if router.group_of(a) == group], checkpoint, cfg.trainer.backend)

@@ -38,7 +38,7 @@ class TrainerRole:
             logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, logprob_batch_tokens=cfg.trainer.logprob_batch_tokens,
             activation_checkpointing=cfg.trainer.activation_checkpointing, packing=cfg.trainer.packing,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens or cfg.trainer.max_seq_len,
-            cpu_offload=cfg.trainer.cpu_offload))
+            cpu_offload=cfg.trainer.cpu_offload, attn_implementation=cfg.trainer.attn_implementation))
         p = cfg.trainer.parallel
         # the checkpoint's HF class in the log: which model family the run really trains
         arch = ",".join(json.loads((Path(cfg.model.path) / "config.json").read_text()).get("architectures") or ["?"])

@@ -28,12 +28,29 @@ from hpc_rl.models.assets import save_untrained  # noqa: E402
 from hpc_rl.models.fsdp2 import FSDP2Backend  # noqa: E402
 
 
+# fp32 on GPU: TF32 is off by default for matmuls in torch, so the CPU twin's bounds hold. bf16 (the
+# flash-attn runs): each value is ~10 roundings of 2^-8 (3.9e-3) through 2-4 layers, so log-probs
+# within 6e-2; the loss averages ~1000 tokens' errors of either sign (1e-2); gradients 5e-2 relative.
+BOUNDS = {"fp32": {"lp": 2e-5, "loss": 2e-5, "grad_rel": 1e-4}, "bf16": {"lp": 6e-2, "loss": 1e-2, "grad_rel": 5e-2}}
+
+
+def within(r: dict) -> bool:
+    b = BOUNDS[precision_of(r["attn_implementation"])]
+    return r["lp_gap"] <= b["lp"] and r["loss_gap"] <= b["loss"] and r["grad_gap"] <= b["grad_rel"]
+
+
+def precision_of(attn_impl: str) -> str:
+    return "bf16" if attn_impl == "flash_attention_2" else "fp32"
+
+
 def compare(ckpt: str, attn_impl: str, seq_idx: bool) -> dict:
     ids, attn = rl_batch(rows=9, width=200, seed=1)
 
     def build(**kw):
-        b = FSDP2Backend(ckpt, precision="fp32", train=True, device="cuda", **kw)
-        b.model.config._attn_implementation = attn_impl
+        # the product's key (trainer.attn_implementation); flash-attn computes in 16-bit only
+        # (validate_packing.py refuses fp32 with it), so that kernel's runs compare bf16 to bf16
+        b = FSDP2Backend(ckpt, precision=precision_of(attn_impl), train=True, device="cuda",
+                         attn_implementation=attn_impl, **kw)
         if kw.get("packing"):  # the mixers' path chosen explicitly (install is idempotent per model)
             for m in b.model.modules():
                 if mamba_segments.is_mamba_mixer(m) and hasattr(m.forward, "__wrapped__"):
@@ -69,9 +86,7 @@ def main() -> None:
                 runs.append(r)
     out = {"bench": "packing_cuda", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "flash_attn_installed": flash, "mamba_kernels_installed": kernels, "runs": runs,
-           # fp32 on GPU: TF32 is off by default for matmuls in torch; the CPU bound holds
-           "bounds": {"lp": 2e-5, "loss": 2e-5, "grad_rel": 1e-4},
-           "passed": all(r["lp_gap"] <= 2e-5 and r["loss_gap"] <= 2e-5 and r["grad_gap"] <= 1e-4 for r in runs)}
+           "bounds": BOUNDS, "passed": all(within(r) for r in runs)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print("passed" if out["passed"] else "FAILED", a.out)
