@@ -245,3 +245,12 @@ def test_memory_model_counts_the_adapters_peft_builds(tiny_ckpt):
     # adapters have weights, gradients, Adam's moments and the CPU step's temporaries (4 + 4 + 8 + 8)
     base = sum(p.numel() for p in b.model.parameters()) - live
     assert step_lora == 4 * base + 24 * live
+
+
+def test_adapter_dropout_sends_old_logprobs_to_the_separate_pass():
+    from hpc_rl.roles.old_logprobs import separate_pass_reason
+
+    rows = [SimpleNamespace(version_first=0, version_last=0)] * 4
+    assert separate_pass_reason(load_config(BASE), rows, None, 1, True) is None  # GRPO, one step: the training forward
+    reason = separate_pass_reason(load_config([*BASE, "trainer.lora.dropout=0.1"]), rows, None, 1, True)
+    assert reason and "trainer.lora.dropout" in reason
