@@ -75,7 +75,7 @@ def test_lora_run_checkpoint_and_exports(lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run, _ = lora_run
+    run, mode = lora_run
     ck = sorted((run / "checkpoints").glob("step_*"))[-1]  # tiny_grpo keeps the last one
     manifest = json.loads((ck / "manifest.json").read_text())
     assert manifest["lora"]["rank"] == 8 and manifest["lora"]["base_digest"]
@@ -97,6 +97,23 @@ def test_lora_run_checkpoint_and_exports(lora_run):
         lb = merged(input_ids=ids, attention_mask=attn).logits
     assert torch.equal(a, b)
     assert torch.allclose(la, lb, atol=1e-5, rtol=0)
+    if mode != "merged":
+        return
+    # and the merged export serves in vLLM with the same greedy tokens (eos masked alike on both sides)
+    from vllm import SamplingParams
+
+    from hpc_rl.refit.vllm_engine import VLLMGenerator
+
+    with torch.no_grad():
+        want = merged.generate(ids, attention_mask=attn, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+    gen = VLLMGenerator(str(run / "final_hf"), precision="fp32", max_model_len=64, memory_fraction=0.1, max_num_seqs=4)
+    try:
+        out = gen.llm.generate([{"prompt_token_ids": ids[0].tolist()}],
+                               SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6), use_tqdm=False)
+    finally:
+        gen.close()
+    assert list(out[0].outputs[0].token_ids) == want
 
 
 RESUME = ["+recipe=tiny_grpo", "run.max_steps=4", "algo.prompts_per_step=16", "trainer.global_batch_size=128",
