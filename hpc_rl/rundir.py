@@ -22,6 +22,7 @@ One directory per run holds everything the job side reads and writes:
   plots/                         PNGs of the metrics (observe/plots.py, `python -m hpc_rl.plot`)
   submitit/                      per-rank result pickles (and the executor's submission pickle)
   checkpoints/, final_hf/        trainer checkpoints and the exported Hugging Face model
+  final_adapter/                 a LoRA student's PEFT adapter (trainer.lora)
   topology.<restart>.txt, placement.<restart>.json   `scontrol show topology`, the placement made of it
   job.sbatch, job.json           the submitted script and its job id (launcher=slurm)
   config_reads/                  which config keys each rank and the launch read (config/trace.py)
@@ -161,6 +162,7 @@ class RunDir:
     SUBMITIT = "submitit"
     CHECKPOINTS = "checkpoints"
     FINAL_HF = "final_hf"
+    FINAL_ADAPTER = "final_adapter"  # a LoRA student's PEFT adapter directory (trainer.lora)
     JOB_SCRIPT = "job.sbatch"
     JOB_META = "job.json"
     TRAIN_DATA = "data/train.jsonl"
@@ -259,6 +261,10 @@ class RunDir:
     @property
     def final_hf(self) -> Path:
         return self.path / self.FINAL_HF
+
+    @property
+    def final_adapter(self) -> Path:
+        return self.path / self.FINAL_ADAPTER
 
     @property
     def job_script(self) -> Path:

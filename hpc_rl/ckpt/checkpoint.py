@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.rundir import fsync_dir
+from hpc_rl.models.lora import checkpoint_meta, hf_name, is_adapter, meta_mismatch
 from hpc_rl.models.nonfinite import all_ranks_finite, tensors_finite
 from hpc_rl.runtime import sealed
 
@@ -106,8 +107,10 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 def model_fingerprint(model: torch.nn.Module) -> Fingerprint:
     """Parameter names and *global* shapes (FSDP2 DTensors report the unsharded shape), so a
-    checkpoint made on 8 ranks matches the same model on 16."""
-    return {name: list(p.shape) for name, p in model.named_parameters()}
+    checkpoint made on 8 ranks matches the same model on 16. A LoRA student's are its base model's
+    (HF names, adapters left out): the manifest's `lora` entry describes the adapters and its base,
+    checked by load_checkpoint (models/lora.py)."""
+    return {hf_name(name): list(p.shape) for name, p in model.named_parameters() if not is_adapter(name)}
 
 
 def _sha256(path: Path) -> str:
@@ -170,8 +173,16 @@ def _dcp_state(backend, optimizers: list) -> Tuple[Dict[str, Any], Dict[str, Any
     if hasattr(backend, "dcp_state"):  # backends whose shards are not DTensors (megatron) key their own
         return backend.dcp_state(bool(optimizers))
     # get_state_dict keys both dicts by parameter FQN and keeps FSDP2 DTensors sharded, so each
-    # rank writes only its shards and a later load may use another world size.
-    return get_state_dict(backend.model, optimizers)
+    # rank writes only its shards and a later load may use another world size. A LoRA student's
+    # checkpoint holds the adapters and their optimizer state alone: the base is its model.path.
+    return get_state_dict(backend.model, optimizers, options=_dcp_options(backend))
+
+
+def _dcp_options(backend):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = getattr(backend, "lora", None) is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def _weights_finite(model_sd: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> bool:
@@ -261,6 +272,7 @@ def save_checkpoint(root, step: int, backend, extra_state: Dict[str, Any], confi
             "backend_step_count": int(getattr(backend, "step_count", 0)),
             "has_optimizer_state": bool(optimizers),
             "fingerprint": model_fingerprint(backend.model),
+            "lora": checkpoint_meta(backend),  # None: full weights; else the adapters' shape and their base
             "files": files,
             # retention keeps the newest finite checkpoint, resume passes non-finite ones over
             "weights_finite": finite,
@@ -351,6 +363,11 @@ def load_checkpoint(path, backend, group: Optional[dist.ProcessGroup] = None) ->
 
     path = Path(path)
     manifest = read_manifest(path)
+    why = meta_mismatch(manifest.get("lora"), checkpoint_meta(backend))
+    if why:
+        raise IncompatibleCheckpointError(f"checkpoint {path} does not match this run's LoRA: {why}; resume with "
+                                          "the trainer.lora settings and model.path it was written with, or use another "
+                                          "run.dir / checkpoint.dir")
     # Inference-only backends (and checkpoints saved before the first step) restore weights alone.
     optimizers = _optimizers(backend, for_save=False) if manifest.get("has_optimizer_state", True) else []
     model_sd, optim_sd = _dcp_state(backend, optimizers)  # the templates DCP loads into, sharded like this backend
@@ -359,7 +376,8 @@ def load_checkpoint(path, backend, group: Optional[dist.ProcessGroup] = None) ->
     if hasattr(backend, "load_dcp_state"):
         backend.load_dcp_state(state["model"], state.get("optim", {}))
     else:
-        set_state_dict(backend.model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+        set_state_dict(backend.model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
+                       options=_dcp_options(backend))
     backend.step_count = int(manifest.get("backend_step_count", manifest["step"]))
     if getattr(backend, "nonfinite", None) is not None and "nonfinite_steps" in manifest:
         backend.nonfinite.load_state_dict(manifest["nonfinite_steps"])  # a skip streak goes on across a requeue

@@ -131,6 +131,16 @@ def usable_bytes(cfg: RunConfig) -> Optional[int]:
     return int(total * (1 - cfg.cluster.gpu_memory_headroom)) if total else None
 
 
+def _lora_params(shape: Shape, lora) -> int:
+    """trainer.lora's adapter parameters; unset target modules: the dense families' default names
+    (memory/lora.py counts a name only where the shape has such a linear, so an MoE model's
+    fused experts count nothing, as peft adapts none of them)."""
+    from hpc_rl.memory.lora import adapter_params
+    from hpc_rl.models.lora_targets import ATTENTION, GATED_MLP
+
+    return adapter_params(shape, lora.rank, lora.target_modules or ATTENTION + GATED_MLP)
+
+
 def role_inputs(cfg: RunConfig) -> List[RoleInput]:
     """Every model-holding role (env ranks hold none), in plan order."""
     t, cl = cfg.trainer, cfg.cluster
@@ -150,6 +160,8 @@ def role_inputs(cfg: RunConfig) -> List[RoleInput]:
                           logprob_tokens=_logprob_tokens(cfg, -(-rollouts // dp)), chunk_tokens=t.logprob_chunk_tokens,
                           recompute=recompute, offload=offload)
             shape, source = model_shape(cfg, cfg.model.path, "model.path")
+            if shape is not None and t.lora.enabled:
+                setup = dataclasses.replace(setup, lora_params=_lora_params(shape, t.lora))
         elif isinstance(role, GeneratorConfig):
             setup = Setup(kind="generator", backend="vllm", precision=role.precision, parallel=parallel, device=device,
                           gpu_memory_utilization=role.gpu_memory_utilization,

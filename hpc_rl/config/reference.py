@@ -42,6 +42,7 @@ RULE_SOURCES: List[Tuple[str, str]] = [
     ("config/validate_generator.py", "checked"),
     ("config/validate_async.py", "checked"),
     ("config/validate_packing.py", "checked"),
+    ("config/validate_lora.py", "checked"),
     ("config/validate_logging.py", "checked"),
     ("config/validate_agentic.py", "checked"),
     ("config/validate_rundir.py", "checked"),

@@ -22,6 +22,7 @@ from hpc_rl.models import families
 from .schema_agentic import AgenticConfig
 from .schema_algo import AlgoConfig, ValidationConfig
 from .schema_model import ModelShapeConfig
+from .schema_lora import LoraConfig
 from .schema_trainer import OptimizerConfig, SchedulerConfig, TrainerMemoryConfig
 from .trace import Traced
 
@@ -186,6 +187,7 @@ class TrainerConfig(RoleResources, TrainerMemoryConfig):
     # Optimizer steps in a row that may be skipped for a non-finite loss or gradient norm (nothing is
     # applied); one more fails the run. 0: the first such step fails it (hpc_rl/models/nonfinite.py).
     max_nonfinite_steps: int = 3
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning (schema_lora.py)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .validate_async import check_in_flight
 from .validate_data import check_validation
 from .validate_generator import check_generator
 from .validate_logging import check_logging
+from .validate_lora import check_lora
 from .validate_memory import check_memory
 from .validate_memory_plan import check_memory_keys
 from .validate_packing import check_attention, check_packing
@@ -388,6 +389,7 @@ RULES: List[Callable[[List[Violation], RunConfig], None]] = [
     check_agentic,
     check_run_dir,
     check_memory_keys,
+    check_lora,
 ]
 
 

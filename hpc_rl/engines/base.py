@@ -78,3 +78,5 @@ class EngineSpec:
     seed: int
     on_gpu: bool
     span: EngineSpan = EngineSpan()  # the tasks this engine spans (engines/spanning.py)
+    # vLLM LoRA arguments when the engine serves the student's adapter (refit/adapter_refit.py); None: off
+    lora: Optional[Dict[str, Any]] = None

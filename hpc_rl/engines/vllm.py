@@ -27,7 +27,7 @@ class VLLMEngine:
         return cls(VLLMGenerator(spec.checkpoint, precision=g.precision, max_model_len=spec.max_model_len,
                                  seed=spec.seed, memory_fraction=_memory_fraction(spec), max_num_seqs=g.max_num_seqs,
                                  tensor_parallel=g.parallel.tp, span=spec.span, expert_parallel=g.parallel.ep > 1,
-                                 options=engine_options(g, spec.on_gpu)))
+                                 options={**engine_options(g, spec.on_gpu), **(spec.lora or {})}))
 
     @staticmethod
     def follower(spec: EngineSpec, seat) -> "EngineFollower":
@@ -35,7 +35,7 @@ class VLLMEngine:
         g = spec.generator
         return EngineFollower(seat, spec.span, spec.checkpoint, g.precision, spec.max_model_len, spec.seed,
                               _memory_fraction(spec), g.max_num_seqs, g.parallel.tp, g.parallel.ep > 1,
-                              engine_options(g, spec.on_gpu))
+                              {**engine_options(g, spec.on_gpu), **(spec.lora or {})})
 
     @property
     def weight_version(self) -> int:
@@ -81,6 +81,12 @@ class VLLMEngine:
 
     def refit(self, version: int, timeout_s: float) -> Dict[str, Any]:
         return self.vllm.refit(version, timeout_s)
+
+    def load_adapter(self, store, prefix: str, refit_no: int, version: int) -> Dict[str, Any]:
+        """The adapter refit (trainer.lora.refit=adapter): wait for and load the student's adapter."""
+        from hpc_rl.refit.adapter_refit import receive
+
+        return receive(self.vllm, store, prefix, refit_no, version)
 
     def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, Any]:
         return self.vllm.refit_in_flight(version, timeout_s, recompute_kv)

@@ -65,6 +65,8 @@ class Setup:
     max_model_len: int = 0
     max_num_seqs: int = 0
     kv_dtype_bytes: int = 0  # 0: the compute dtype's
+    # the trainer with LoRA (trainer.lora): the adapters' parameters (memory/lora.py; 0: full fine-tuning)
+    lora_params: int = 0
     gpu_bytes: Optional[int] = None  # the GPU's memory (the generator's budget is a share of it)
 
 
@@ -268,11 +270,17 @@ def trainer(s: Shape, setup: Setup) -> RoleMemory:
     else:
         off = setup.offload
         weights, grads, opt = (0, 0, 0) if off else (int(4 * local), int(4 * local), int(8 * local))
+        # LoRA: the base is frozen (fp32 weights, no gradients, no optimizer state); the adapters,
+        # sharded like the rest, have all three (and the optimizer step's temporaries are theirs)
+        p = setup.parallel
+        lora = setup.lora_params / (p.get("dp", 1) * p.get("cp", 1) * p.get("tp", 1)) if setup.lora_params else 0.0
+        if setup.lora_params and not off:
+            weights, grads, opt = int(4 * (local + lora)), int(4 * lora), int(8 * lora)
         other = _fsdp2_transient(s, setup, a)
         block = max(sum(_saved(s, m, a, setup) for m in b) for b in s.blocks)
         # the head's weight gradient exists from the head's backward on (fp32 when unsharded)
         sharded = setup.parallel.get("dp", 1) * setup.parallel.get("cp", 1) > 1
-        head_grad = int((a if sharded else 4) * vocab_local * s.hidden)
+        head_grad = 0 if lora else int((a if sharded else 4) * vocab_local * s.hidden)
         # the backward's peak: at its start every block's saved activations and the head's backward
         # (early), or at its end every gradient with one block's backward and, sharded, that
         # block's unsharded gradients before their reduce-scatter (late)
@@ -282,9 +290,14 @@ def trainer(s: Shape, setup: Setup) -> RoleMemory:
         # head's chunk: the forward's peak is the larger of the two
         running = max(int(t * block) - fwd_logits, 0) if setup.recompute else 0
         block_bwd = int(t * (block + 2 * a * s.hidden))
-        reduce = int((a + 4) * _block_params(s, setup)) if sharded else 0
+        # (with LoRA only the block's adapters have gradients)
+        reduce = int((a + 4) * (lora / len(s.blocks) if lora else _block_params(s, setup))) if sharded else 0
         late = grads + block_bwd + reduce
         step_temp = int(4 * local) if setup.device == "gpu" else int(2 * 4 * _largest_tensor(s, setup))
+        if lora:  # the optimizer steps over the adapters alone
+            step_temp = int(4 * lora) if setup.device == "gpu" else int(2 * 4 * lora)
+            notes.append(f"LoRA: {setup.lora_params:,} adapter parameters train; the base is frozen "
+                         "(no gradients or optimizer state)")
         phases = {
             "forward": {"params": weights, "optimizer": opt, "activations": early_acts + running, "logits": fwd_logits,
                         "other": other},

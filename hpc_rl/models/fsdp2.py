@@ -90,7 +90,8 @@ class FSDP2Backend:
                    logprob_batch_tokens=spec.logprob_batch_tokens,
                    activation_checkpointing=spec.activation_checkpointing, packing=spec.packing,
                    micro_batch_tokens=spec.micro_batch_tokens, cpu_offload=spec.cpu_offload,
-                   attn_implementation=spec.attn_implementation)
+                   attn_implementation=spec.attn_implementation,
+                   lora=spec.train.lora if spec.train is not None and spec.train.lora.enabled else None)
 
     def __init__(self, model_path: str, group: Optional[dist.ProcessGroup] = None, precision: str = "fp32",
                  optim: Optional[OptimConfig] = None, train: bool = True, device: str = "cpu",
@@ -98,7 +99,7 @@ class FSDP2Backend:
                  logprob_chunk_tokens: Optional[int] = None, logprob_batch_tokens: Optional[int] = None,
                  activation_checkpointing: bool = False, packing: bool = False,
                  micro_batch_tokens: Optional[int] = None, cpu_offload: bool = False,
-                 attn_implementation: Optional[str] = None):
+                 attn_implementation: Optional[str] = None, lora=None):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -121,6 +122,12 @@ class FSDP2Backend:
         # row's position ids as variable-length sequences (validate_packing.py checks where it can run)
         attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, **attn).to(self.device)
+        # trainer.lora: peft adapters injected before any sharding; the base weights freeze (models/lora.py)
+        self.lora = lora if train else None
+        if self.lora is not None:
+            from .lora import apply_lora
+
+            apply_lora(model, self.lora)
         self.sharded = group is not None and dist.get_world_size(group) > 1
         self.group = group
         self.dims = parallel_dims(group, parallel)
@@ -187,7 +194,9 @@ class FSDP2Backend:
             self.nonfinite = NonFiniteGuard(o.max_nonfinite_steps, group if self.sharded else None, self.device)
             if o.name not in OPTIMIZERS:
                 raise ValueError(f"trainer.optimizer.name={o.name!r}: this backend has {sorted(OPTIMIZERS)}")
-            params = expert_param_groups(model, self.expert_params) if self.ep else model.parameters()
+            # with LoRA only the adapters require gradients: the optimizer holds their state alone
+            params = expert_param_groups(model, self.expert_params) if self.ep else [
+                p for p in model.parameters() if p.requires_grad]
             self.optimizer = OPTIMIZERS[o.name](params, lr=lr_at(0, o), betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay)
         else:
@@ -257,9 +266,17 @@ class FSDP2Backend:
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The no-grad pass (student log-probs, teachers), in forwards of at most
         `batch_tokens` tokens, packed with trainer.packing (models/forward_passes.py)."""
-        if self.packing:
-            return packed_logprob_pass(self, input_ids, attention_mask)
-        return padded_logprob_pass(self, input_ids, attention_mask)
+        with self._no_dropout():
+            if self.packing:
+                return packed_logprob_pass(self, input_ids, attention_mask)
+            return padded_logprob_pass(self, input_ids, attention_mask)
+
+    def _no_dropout(self):
+        # trainer.lora.dropout applies to the train step only: the no-grad log-prob pass and greedy
+        # evaluation run the adapters as the engines do (models/lora.py eval_mode)
+        from .lora import eval_mode
+
+        return eval_mode(self.model)
 
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn: LossFn,
                    micro_batch_size: Optional[int] = None) -> Dict[str, float]:
@@ -319,23 +336,33 @@ class FSDP2Backend:
         # the default group (every rank of the job, which the other roles never join: a teacher
         # group of 2+ ranks hung here). Every rank of a group is given the same prompts
         # (roles/teacher.py), so all of them run the same number of forwards without it.
-        out = self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                                  pad_token_id=pad_id, synced_gpus=False)
+        with self._no_dropout():
+            out = self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                      do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+                                      pad_token_id=pad_id, synced_gpus=False)
         return out[:, input_ids.shape[1]:].cpu()
 
     def refit_specs(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         """Global shapes by checkpoint name (fused experts as one tensor per expert)."""
-        return checkpoint_specs({n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()})
+        from .lora import hf_name, is_adapter  # the merged weights keep the base's names and shapes
+
+        return checkpoint_specs({hf_name(n): (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()
+                                 if not is_adapter(n)})
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's weights by HF name, on CPU (every rank gets them; for refit)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.sharded:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                         broadcast_from_rank0=False))
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        else:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                              broadcast_from_rank0=False))
+        if self.lora is not None:  # HF names, each adapted weight merged (W + B @ A * alpha / r)
+            from .lora import merged_state
+
+            state = merged_state(self.model, state)
+        return state
 
     def local_shards(self, dtype: Optional[torch.dtype] = None) -> Shards:
         """This rank's part of every weight, by checkpoint name: (global start of its box,
@@ -345,13 +372,21 @@ class FSDP2Backend:
         copies (refit to a bf16 engine); without, the live parameters themselves (no copy)."""
         from .parallel.shards import local_box
 
-        out = {}
-        for name, value in self.model.state_dict().items():
+        from .lora import hf_name
+
+        out, state, boxes = {}, self.model.state_dict(), {}
+        shapes = {hf_name(n): tuple(v.shape) for n, v in state.items()}
+        for name, value in state.items():
             (start, _), local = local_box(value)
-            local = local.detach()
+            boxes[name] = (start, local.detach())
+        if self.lora is not None:  # merged copies of the adapted weights, in HF names (a collective)
+            from .lora import merged_boxes
+
+            boxes = merged_boxes(self.model, boxes, state)
+        for name, (start, local) in boxes.items():
             if dtype is not None and local.dtype != dtype:
                 local = local.to(dtype)
-            out.update(checkpoint_shards(name, tuple(value.shape), start, local))
+            out.update(checkpoint_shards(name, shapes[name], start, local))
         return out
 
     def source_layout(self, dtype_name: str):

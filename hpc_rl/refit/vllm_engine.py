@@ -157,6 +157,7 @@ class VLLMGenerator:
         self.span = span
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_version = 0
+        self.lora_request = None  # the student's adapter once an adapter refit loaded it (refit/adapter_refit.py)
         self._requests = 0  # request ids of the stepped sampler
         # The engine labels each output token with the weight version it served then
         # (CompletionOutput.weight_versions): that is how a sample's first and last versions
@@ -230,7 +231,7 @@ class VLLMGenerator:
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                  min_tokens=min_tokens, stop=list(stop), logprobs=0, seed=s, **extra) for s in seeds]
         if between_steps is None:
-            outs = self.llm.generate(list(prompts), params, use_tqdm=False)
+            outs = self.llm.generate(list(prompts), params, use_tqdm=False, lora_request=self.lora_request)
         else:
             outs = self._stepped(prompts, params, between_steps)
         return [self._row(o) for o in outs]
@@ -243,7 +244,7 @@ class VLLMGenerator:
         for p, sp in zip(prompts, params):
             self._requests += 1
             ids.append(f"hpc_rl-{self._requests}")
-            engine.add_request(ids[-1], p, sp)
+            engine.add_request(ids[-1], p, sp, lora_request=self.lora_request)
         done = {}
         while engine.has_unfinished_requests():
             for o in engine.step():

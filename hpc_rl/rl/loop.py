@@ -226,7 +226,15 @@ class RLLoop:
         self.ctx.set_phase("finish", None)
         final = self.trainer.backend.full_state_dict()
         digest = weights_digest(final) if self.driver else None
-        if cfg.checkpoint.export_final:
+        lora = cfg.trainer.lora
+        if cfg.checkpoint.export_final and lora.enabled:  # the adapters; the merged weights on request
+            from hpc_rl.ckpt.export_lora import export_adapter
+
+            out = export_adapter(self.trainer.backend, RunDir(self.ctx.run_dir).final_adapter, cfg.model.path,
+                                 group=self.ctx.groups.role)
+            if self.driver:
+                self.log.info("LoRA adapters exported to %s (a PEFT adapter directory)", out)
+        if cfg.checkpoint.export_final and (not lora.enabled or lora.export_merged):
             from hpc_rl.ckpt.export import carried_note, export_hf
 
             out = export_hf(self.trainer.backend, RunDir(self.ctx.run_dir).final_hf, tokenizer_dir=cfg.model.path,

@@ -16,6 +16,7 @@ from hpc_rl.engines.spanning import dead_worker_report, publish_master, read_mas
 from hpc_rl.messaging import p2p as exchange
 from hpc_rl.messaging.messages import COLLECT, END, FORWARDED, IN_FLIGHT_KEY, REFIT, STOP, TEACHER_EVAL, Order, Work
 from hpc_rl.messaging.routes import Routes
+from hpc_rl.refit.adapter_refit import engine_lora_options
 from hpc_rl.refit.vllm_engine import EngineSpan
 from hpc_rl.runtime.faults import maybe_inject
 
@@ -26,8 +27,11 @@ STEP_KEY = "engine/{restart}/{engine}/step"  # the training step an engine's lea
 def engine_spec(ctx, engine: int, span: EngineSpan = EngineSpan()) -> EngineSpec:
     """Engine g's arguments, the same in every task it spans."""
     cfg, g = ctx.cfg, ctx.cfg.generator
+    lora = cfg.trainer.lora
+    adapter = lora.enabled and lora.refit == "adapter"  # engines serve the student's adapter
     return EngineSpec(cfg.model.path, g, max_model_len=g.max_model_len or cfg.trainer.max_seq_len,
-                      seed=cfg.run.seed + engine, on_gpu=ctx.device.startswith("cuda"), span=span)
+                      seed=cfg.run.seed + engine, on_gpu=ctx.device.startswith("cuda"), span=span,
+                      lora=engine_lora_options(lora) if adapter else None)
 
 
 class GeneratorRole:
@@ -54,6 +58,7 @@ class GeneratorRole:
         self.recompute_kv = asy.recompute_kv_cache_after_weight_updates  # read here: honoured by refit_in_flight
         self.in_flight: Dict[str, Any] = {}  # the in-flight refit of the order being sampled
         self.refit_prefix, self.refits = "", 0  # the refit group's store namespace; refits received
+        self.adapter_refit = False  # trainer.lora.refit=adapter (join_refit says)
         self.episodes = None  # multi-turn collections: the engine's endpoint (roles/episodes.py)
         if cfg.env.agentic.environment:
             from hpc_rl.roles.episodes import EngineEndpoint
@@ -71,6 +76,11 @@ class GeneratorRole:
         from hpc_rl.refit.vllm_layout import check_against_model
 
         setup = exchange.recv(self.routes.driver)
+        self.adapter_refit = isinstance(setup, dict) and "adapter_prefix" in setup
+        if self.adapter_refit:  # trainer.lora.refit=adapter: no weights plan, the adapter (refit/adapter_refit.py)
+            self.refit_prefix = setup["adapter_prefix"]
+            self.log.info("engine %d gets the student's LoRA adapter at each refit", self.index)
+            return
         check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
                             self.engine.params(), self.engine.tensor_parallel, expert_parallel=self.engine.expert_parallel,
                             hf_config=hf_config(self.cfg.model.path))
@@ -146,8 +156,14 @@ class GeneratorRole:
         self.refits += 1
         if not in_flight:  # in flight, the driver announced it once the trainer was ready
             self.ctx.set_phase("wait_refit")
-        wait_ready(self.ctx.store, self.refit_prefix, self.refits, range(len(self.routes.trainer)),
-                   abort_key=f"{self.refit_prefix}/abort")
+        if not self.adapter_refit:  # the adapter's wait is on its own key (load_adapter)
+            wait_ready(self.ctx.store, self.refit_prefix, self.refits, range(len(self.routes.trainer)),
+                       abort_key=f"{self.refit_prefix}/abort")
+        if self.adapter_refit:
+            self.ctx.set_phase("refit")
+            out = self.engine.load_adapter(self.ctx.store, self.refit_prefix, self.refits, version)
+            self.ctx.carve_phase("wait_refit", float(out["wait_s"]))  # the trainer still training
+            return out
         if in_flight:
             return self.engine.refit_in_flight(version, self.cfg.refit.timeout_s, self.recompute_kv)
         self.ctx.set_phase("refit")

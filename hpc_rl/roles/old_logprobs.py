@@ -22,7 +22,8 @@ serves. The separate pass runs when:
   - a backend whose loss function does not see every row's log-probs (megatron: only its last
     pipeline stage does);
   - the reference KL in the reward (algo.ref_kl.apply_to=reward): the penalty changes the
-    rewards, so the advantages, before the first micro-batch.
+    rewards, so the advantages, before the first micro-batch;
+  - LoRA dropout (trainer.lora.dropout > 0): the training forward is not the sampling policy's.
 So GRPO (any loss kind) and MOPD with baseline=none take the training forward.
 """
 
@@ -47,6 +48,8 @@ def separate_pass_reason(cfg, rows: Sequence, version: Optional[int], dp_size: i
         return f"trainer.backend={tr.backend} does not hand every row's log-probs to the loss"
     if a.async_rollout.enabled:
         return "asynchronous rollouts: samples of older weights"
+    if tr.lora.enabled and tr.lora.dropout > 0:  # the engines and the no-grad pass run without it
+        return f"trainer.lora.dropout={tr.lora.dropout}: the training forward's log-probs carry adapter dropout"
     if n > tr.global_batch_size:
         return f"{n} rows in minibatches of trainer.global_batch_size={tr.global_batch_size}: several optimizer steps"
     if version is not None and any(r.version_first != version or r.version_last != version for r in rows):

@@ -45,7 +45,12 @@ class TrainerRole:
         self.log.info("student %s (%s) loaded (%s over %d ranks: dp %d x cp %d x tp %d%s, %s)", cfg.model.path, arch,
                       cfg.trainer.backend, dist.get_world_size(ctx.groups.role), self.backend.dp_size,
                       p.cp, p.tp, f", expert parallel {p.ep}" if p.ep > 1 else "", cfg.trainer.precision)
+        if cfg.trainer.lora.enabled:  # what trains, and what the engines get (models/lora.py)
+            from hpc_rl.models.lora import summary
+
+            self.log.info("%s; refit sends the %s weights", summary(self.backend.model), cfg.trainer.lora.refit)
         self.refit_ep = None
+        self.adapter_prefix, self.adapter_refits = None, 0  # trainer.lora.refit=adapter: no refit plan
         self._refit_cast = self._refit_want = None
 
     # ------------------------------------------------------------------------------- refit
@@ -60,6 +65,12 @@ class TrainerRole:
         from hpc_rl.refit.vllm_layout import wire_specs
 
         cfg, r = self.cfg, self.routes
+        if cfg.trainer.lora.enabled and cfg.trainer.lora.refit == "adapter":  # the adapters alone travel
+            self.adapter_prefix = f"lora_refit/{self.ctx.ident.restart}"
+            if self.is_driver:
+                for g in r.generators:
+                    exchange.send({"adapter_prefix": self.adapter_prefix}, g)
+            return
         setup = None
         engine_dtype = vllm_dtype(cfg.generator.precision)
         # what each trainer rank holds, read from its live parameters (a collective of the trainer ranks)
@@ -108,6 +119,14 @@ class TrainerRole:
         """Send this rank's shards along the refit plan (the driver has ordered the engines
         to receive). Raises RefitError naming a peer that died or is late."""
         t0 = time.perf_counter()
+        if self.adapter_prefix is not None:  # trainer.lora.refit=adapter (refit/adapter_refit.py)
+            from hpc_rl.refit.adapter_refit import publish
+
+            self.adapter_refits += 1
+            self.ctx.set_phase("refit")
+            publish(self.backend, self.ctx.run_dir, self.adapter_prefix, self.adapter_refits, self.is_driver,
+                    self.ctx.store, self.backend.checkpoint_dir)
+            return time.perf_counter() - t0
         self.refit_ep.set_sources(self._refit_sources())
         # waiting for the engines to be ready (still sampling, under async rollouts) is a wait
         # phase, so the progress watchdog names the engine that is stuck, not this rank

@@ -1,0 +1,36 @@
+"""The student's LoRA keys (`trainer.lora.*`), beside schema.py.
+
+Its comments document the keys like schema.py's do (hpc_rl/config/reference.py reads every
+schema*.py). What the runtime cannot honour is refused by config/validate_lora.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+from .trace import Traced
+
+
+@dataclass
+class LoraConfig(Traced):
+    """LoRA adapters on the student (peft): the base weights stay frozen, only the adapters get
+    gradients and optimizer state (hpc_rl/models/lora.py). fsdp2 only, data parallel only."""
+
+    enabled: bool = False  # train LoRA adapters instead of every weight of the student
+    rank: int = 16  # the adapters' rank r (each adapted linear W [out, in] gets B [out, r] and A [r, in])
+    alpha: float = 32.0  # LoRA's alpha: the update is B @ A * alpha / rank
+    # Dropout on each adapter's input in the train step (peft's lora_dropout); the no-grad log-prob pass,
+    # greedy evaluation and the engines run without it. In [0, 1).
+    dropout: float = 0.0
+    # The linear modules (name suffixes, peft's target_modules) that get adapters. None: the model
+    # family's default (hpc_rl/models/lora_targets.py, by the checkpoint's model_type).
+    target_modules: Optional[List[str]] = None
+    # How the generators' engines get the trained weights after each step. merged: W + B @ A * alpha / rank
+    # for every adapted weight, through the full refit (refit/), the engines unchanged. adapter: engines
+    # built with vLLM's LoRA support (enable_lora, max_lora_rank) and only the adapters sent and replaced
+    # in place at each refit (GPU clusters; refused on CPU clusters, config/validate_lora.py says why).
+    refit: Literal["merged", "adapter"] = "merged"
+    # The final export (checkpoint.export_final) writes a PEFT adapter directory (final_adapter/); with
+    # this also the merged Hugging Face checkpoint (final_hf/, what the run's export is without LoRA).
+    export_merged: bool = False

@@ -1,0 +1,72 @@
+"""Validation of LoRA (`trainer.lora.*`; the fsdp2 backend's models/lora.py), beside validate.py:
+what the adapters cannot honour in this version is refused here, before anything is submitted."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+from .errors import Violation, check_positive
+from .schema_lora import LoraConfig
+
+
+def check_lora(out: List[Violation], cfg) -> None:
+    t, lo = cfg.trainer, cfg.trainer.lora
+    if not lo.enabled:
+        for f in dataclasses.fields(LoraConfig):
+            key, value, default = f.name, getattr(lo, f.name), getattr(LoraConfig(), f.name)
+            if key != "enabled" and value != default:
+                out.append(Violation(f"trainer.lora.{key}", value, "it applies to LoRA adapters, and "
+                                     "trainer.lora.enabled is false: it would be ignored",
+                                     f"set trainer.lora.enabled=true, or remove trainer.lora.{key}"))
+        return
+    check_positive(out, "trainer.lora.rank", lo.rank)
+    if not lo.alpha > 0:
+        out.append(Violation("trainer.lora.alpha", lo.alpha, "the update is B @ A * alpha / rank: alpha must be > 0",
+                             "e.g. trainer.lora.alpha=32 (twice the rank is common)"))
+    if not 0.0 <= lo.dropout < 1.0:
+        out.append(Violation("trainer.lora.dropout", lo.dropout, "a dropout probability is in [0, 1)",
+                             "e.g. trainer.lora.dropout=0.0"))
+    if lo.target_modules is not None and (not lo.target_modules or not all(isinstance(m, str) and m
+                                                                             for m in lo.target_modules)):
+        out.append(Violation("trainer.lora.target_modules", lo.target_modules, "must name at least one linear module",
+                             "e.g. trainer.lora.target_modules=[q_proj,v_proj], or null for the family's default"))
+    if t.backend == "megatron":
+        # checked on the served wheel: megatron-core 0.16.1 has no PEFT/LoRA modules (its only "lora"
+        # names are multi-latent attention's q/kv_lora_rank), and Megatron-Bridge (its PEFT) is not installed
+        out.append(Violation("trainer.lora.enabled", True, "trainer.backend=megatron has no LoRA: megatron-core 0.16.1 "
+                             "ships no PEFT and Megatron-Bridge is not part of this install",
+                             "use trainer.backend=fsdp2 with trainer.lora, or set trainer.lora.enabled=false"))
+    p = t.parallel
+    for name, why in (("tp", "tensor parallel's plans (models/parallel/tensor_parallel.py) shard nn.Linear "
+                       "modules by name, and peft replaces each target with a LoRA wrapper holding its own "
+                       "A/B pair, which the plan does not split"),
+                      ("cp", "context parallel with adapters is not tested in this version"),
+                      ("ep", "the experts are fused 3-D parameters peft cannot adapt, and the expert-parallel "
+                       "parameter groups are not built around frozen weights"),
+                      ("pp", "the fsdp2 backend has no pipeline parallel")):
+        if getattr(p, name) > 1:
+            out.append(Violation(f"trainer.parallel.{name}", getattr(p, name), f"with trainer.lora: {why}",
+                                 f"set trainer.parallel.{name}=1 (LoRA runs data parallel), or trainer.lora.enabled=false"))
+    if t.cpu_offload:
+        out.append(Violation("trainer.cpu_offload", True, "with trainer.lora: offloading frozen base shards is not "
+                             "tested in this version (LoRA's optimizer state is small already)",
+                             "set trainer.cpu_offload=false, or trainer.lora.enabled=false"))
+    if cfg.algo.ref_kl_coef > 0:
+        # the reference is scored by a teacher group of its own (config/resources.py teacher_groups),
+        # a second full copy; the base-with-adapter-off path on the trainer ranks is not built yet
+        out.append(Violation("algo.ref_kl_coef", cfg.algo.ref_kl_coef, "with trainer.lora the reference model should "
+                             "be the student's base with the adapters off (no second copy); this version scores the "
+                             "reference on a teacher group of its own and does not build that path",
+                             "set algo.ref_kl_coef=0 with trainer.lora, or trainer.lora.enabled=false"))
+    if lo.refit == "adapter":
+        # the engines load the adapter between orders (refit/adapter_refit.py); the in-flight load
+        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet
+        if cfg.algo.async_rollout.in_flight_weight_updates:
+            out.append(Violation("trainer.lora.refit", "adapter", "with algo.async_rollout.in_flight_weight_updates: "
+                                 "the adapter refit loads between orders, not between scheduler steps, in this version",
+                                 "set trainer.lora.refit=merged, or algo.async_rollout.in_flight_weight_updates=false"))
+        if cfg.env.agentic.environment:
+            out.append(Violation("trainer.lora.refit", "adapter", "with env.agentic.environment: the episodes' serving "
+                                 "loop (hpc_rl/serving/) does not sample with the adapter in this version",
+                                 "set trainer.lora.refit=merged for multi-turn environments"))
