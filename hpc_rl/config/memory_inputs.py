@@ -136,9 +136,9 @@ def _lora_params(shape: Shape, lora) -> int:
     (memory/lora.py counts a name only where the shape has such a linear, so an MoE model's
     fused experts count nothing, as peft adapts none of them)."""
     from hpc_rl.memory.lora import adapter_params
-    from hpc_rl.models.lora_targets import ATTENTION, GATED_MLP
+    from hpc_rl.models.families.spec import ATTENTION_LINEARS, GATED_MLP_LINEARS
 
-    return adapter_params(shape, lora.rank, lora.target_modules or ATTENTION + GATED_MLP)
+    return adapter_params(shape, lora.rank, lora.target_modules or ATTENTION_LINEARS + GATED_MLP_LINEARS)
 
 
 def role_inputs(cfg: RunConfig) -> List[RoleInput]:

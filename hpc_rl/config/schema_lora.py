@@ -24,7 +24,7 @@ class LoraConfig(Traced):
     # greedy evaluation and the engines run without it. In [0, 1).
     dropout: float = 0.0
     # The linear modules (name suffixes, peft's target_modules) that get adapters. None: the model
-    # family's default (hpc_rl/models/lora_targets.py, by the checkpoint's model_type).
+    # family's default (its `lora_targets` in hpc_rl/models/families/<family>/, by the checkpoint's config.json).
     target_modules: Optional[List[str]] = None
     # How the generators' engines get the trained weights after each step. merged: W + B @ A * alpha / rank
     # for every adapted weight, through the full refit (refit/), the engines unchanged. adapter: engines

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .lora_targets import default_targets
+from .families import of_config
 
 ADAPTER = "default"  # peft's adapter name; one adapter per student
 _BASE = ".base_layer."
@@ -35,10 +35,12 @@ INIT_SEED = 0x10A
 def resolve_targets(model: torch.nn.Module, target_modules: Optional[List[str]]) -> List[str]:
     """trainer.lora.target_modules, or the model family's default; each must name a linear module."""
     model_type = getattr(model.config, "model_type", "?")
-    targets = list(target_modules) if target_modules else default_targets(model_type)
+    family = of_config(model.config.to_dict())
+    targets = list(target_modules or (family.lora_targets if family else ()))
     if not targets:
         raise ValueError(f"trainer.lora.target_modules: model_type {model_type!r} has no default LoRA targets "
-                         "(hpc_rl/models/lora_targets.py); set trainer.lora.target_modules to its linear modules")
+                         "(its family folder under hpc_rl/models/families/ names none); set "
+                         "trainer.lora.target_modules to its linear modules")
     linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     missing = [t for t in targets if t not in linear]
     if missing:

@@ -21,6 +21,12 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 Members = Mapping[str, Tuple[Tuple[str, int, int], ...]]
 
 
+# The Llama-style decoder's linear modules (HF names inside a layer): the LoRA targets of most
+# dense families (peft adapts each; vLLM's LoRA layers stack them as qkv_proj / gate_up_proj)
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+GATED_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class TensorParallelPlan:
     """fsdp2's DTensor tensor (and sequence) parallel plan of one decoder layer, by HF module
@@ -129,6 +135,9 @@ class Family:
     # tiny.py): what tests/test_families.py and bench/logprob_agreement.py --family build; head
     # dim >= 32 (vLLM's CPU attention has no kernel below), sizes that a tp of 2 divides
     test_model: Any = None
+    # trainer.lora's default target modules (peft's name suffixes; trainer.lora.target_modules
+    # unset); empty: none by default (the user names them)
+    lora_targets: Tuple[str, ...] = ()
 
     @property
     def all_model_types(self) -> Tuple[str, ...]:

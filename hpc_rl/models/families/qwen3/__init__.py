@@ -11,10 +11,10 @@ k (`self_attn.q_norm` / `k_norm`, weight [head_dim]) and no q/k/v biases.
 
 from __future__ import annotations
 
-from ..spec import Family, MegatronTraits, TensorParallelPlan
+from ..spec import ATTENTION_LINEARS, GATED_MLP_LINEARS, Family, MegatronTraits, TensorParallelPlan
 from .tiny import Qwen3ModelSpec
 
 FAMILY = Family(name="qwen3", label="Qwen3", architectures=("Qwen3ForCausalLM",),
                 megatron=MegatronTraits(qk_norm=True),
                 tp_plan=TensorParallelPlan(head_norms=("self_attn.q_norm", "self_attn.k_norm")),
-                test_model=Qwen3ModelSpec())
+                test_model=Qwen3ModelSpec(), lora_targets=ATTENTION_LINEARS + GATED_MLP_LINEARS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..spec import ExpertLayout, Family, MegatronTraits
+from ..spec import ATTENTION_LINEARS, ExpertLayout, Family, MegatronTraits
 
 EXPERTS = ExpertLayout(blocks=("Qwen3MoeSparseMoeBlock",),
                        members={"gate_up_proj": (("gate_proj.weight", 0, 2), ("up_proj.weight", 1, 2)),
@@ -33,4 +33,7 @@ FAMILY = Family(name="qwen3_moe", label="Qwen3-MoE", architectures=("Qwen3MoeFor
                 megatron=MegatronTraits(qk_norm=True, sparse_step=True), experts=EXPERTS, shape="sparse_step",
                 parallel_refusal="the fsdp2 backend's tensor and context parallel have no plan for its routed "
                                  "experts and per-head q/k norms",
-                engine_split=_engine_split, is_moe=_is_moe, tiny=("tiny_moe",))
+                engine_split=_engine_split, is_moe=_is_moe, tiny=("tiny_moe",),
+                # attention only: transformers 5 holds the experts as fused 3-D parameters
+                # (mlp.experts.gate_up_proj), not nn.Linear modules peft can wrap
+                lora_targets=ATTENTION_LINEARS)
