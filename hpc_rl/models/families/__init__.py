@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
+from .granite import FAMILY as GRANITE
 from .llama import FAMILY as LLAMA
+from .mistral import FAMILY as MISTRAL
 from .nemotron_h import FAMILY as NEMOTRON_H
 from .qwen2 import FAMILY as QWEN2
 from .qwen3 import FAMILY as QWEN3
@@ -27,6 +29,8 @@ FAMILIES: Tuple[Family, ...] = (
     QWEN3,
     QWEN3_MOE,
     NEMOTRON_H,
+    MISTRAL,
+    GRANITE,
 )
 
 # model.architecture's default (config/schema.py): the tiny test models' family
