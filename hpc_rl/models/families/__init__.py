@@ -18,6 +18,7 @@ from .granite import FAMILY as GRANITE
 from .llama import FAMILY as LLAMA
 from .mistral import FAMILY as MISTRAL
 from .nemotron_h import FAMILY as NEMOTRON_H
+from .phi3 import FAMILY as PHI3
 from .qwen2 import FAMILY as QWEN2
 from .qwen3 import FAMILY as QWEN3
 from .qwen3_moe import FAMILY as QWEN3_MOE
@@ -31,6 +32,7 @@ FAMILIES: Tuple[Family, ...] = (
     NEMOTRON_H,
     MISTRAL,
     GRANITE,
+    PHI3,
 )
 
 # model.architecture's default (config/schema.py): the tiny test models' family
