@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
+from .gemma3 import FAMILY as GEMMA3
 from .granite import FAMILY as GRANITE
 from .llama import FAMILY as LLAMA
 from .mistral import FAMILY as MISTRAL
@@ -33,6 +34,7 @@ FAMILIES: Tuple[Family, ...] = (
     MISTRAL,
     GRANITE,
     PHI3,
+    GEMMA3,
 )
 
 # model.architecture's default (config/schema.py): the tiny test models' family
