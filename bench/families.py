@@ -1,0 +1,117 @@
+"""Every first-class model family (hpc_rl/models/families/) through the real RL loop: for each,
+its tiny random test model (the family's `test_model`, built from transformers' own config
+class, saved with the tiny tokenizer) is the student of
+
+- MOPD self-distillation: both teachers are the student's own checkpoint, so the reverse KL
+  of step 1 (sampled with the step-0 weights) is 0 up to rounding; 2 steps with a TP-1 vLLM
+  engine (step 2 samples after a refit);
+- GRPO: 3 steps with a TP-2 vLLM engine, and a tensor-parallel-2 fsdp2 trainer where the family
+  has a plan (trainer.parallel.tp=2, sequence parallel), else data parallel over the same 2 ranks.
+
+Each is a real launch (`python -m hpc_rl.launch`, local processes); per step it records
+token_mult_prob_error (vLLM's sampling log-probs against the trainer's, fp32: goal <= 1.001)
+and the reverse KL. Writes bench/results/families.json (merging: a --families run keeps the
+other families' rows).
+
+    python bench/families.py [--families llama,mistral,...] [--only mopd,grpo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hpc_rl.models import families  # noqa: E402
+from hpc_rl.rundir import RunDir  # noqa: E402
+
+OUT = ROOT / "bench" / "results" / "families.json"
+GOAL = 1.001  # fp32 engine and trainer: NOTES.md measured 1.0000 for the same weights
+# small batches: minutes per family on 2 cores (tests/test_rl_loop.py's sizes)
+COMMON = ["data.samples_per_task=32", "data.eval_prompts_per_task=0", "trainer.max_seq_len=64",
+          "generator.max_model_len=64"]
+MOPD = ["+recipe=tiny_mopd", "run.max_steps=2", "algo.prompts_per_step=16", "trainer.global_batch_size=32"]
+GRPO = ["+recipe=tiny_grpo", "run.max_steps=3", "algo.prompts_per_step=8", "algo.generations_per_prompt=4",
+        "trainer.global_batch_size=32", "generator.parallel.tp=2"]
+
+
+def launch(run_dir: Path, args: list) -> dict:
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", *args, f"run.dir={run_dir}"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=1200)
+    out = {"overrides": args, "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode}
+    metrics = RunDir(run_dir).metrics
+    if proc.returncode != 0 or not metrics.exists():
+        out["error_tail"] = (proc.stdout[-2000:] + proc.stderr[-3000:])
+        return out
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "step"]
+    out.update({"steps": len(steps),
+                "per_step_token_mult_prob_error": [r.get("token_mult_prob_error") for r in steps],
+                "per_step_reverse_kl_mean": [(r.get("reverse_kl") or {}).get("mean") for r in steps],
+                "per_step_reward_mean": [r.get("reward_mean") for r in steps],
+                "seconds_per_step": [r["timing"]["step_s"] for r in steps]})
+    errs = [e for e in out["per_step_token_mult_prob_error"] if e is not None]
+    out["refit_met"] = bool(errs) and max(errs) <= GOAL
+    return out
+
+
+def run_family(fam, tmp: Path, parts: set) -> dict:
+    from hpc_rl.models.assets import save_untrained
+
+    ckpt = save_untrained(tmp / fam.name / "ckpt", fam.test_model, seed=0)
+    model = [f"model.path={ckpt}", f"model.architecture={fam.name}", f"model.name=tiny-{fam.name}"]
+    row = {"family": fam.name, "label": fam.label, "architectures": list(fam.architectures),
+           "test_model": repr(fam.test_model), "fsdp2_tp_plan": fam.tp_plan is not None,
+           "tp_refusal": None if fam.tp_plan is not None else fam.parallel_refusal}
+    if "mopd" in parts:
+        r = launch(tmp / fam.name / "mopd", [*MOPD, *COMMON, *model, f"teachers.add.checkpoint={ckpt}",
+                                              f"teachers.mul.checkpoint={ckpt}"])
+        r["engine_tp"], r["trainer_tp"] = 1, 1
+        kl = r.get("per_step_reverse_kl_mean") or [None]
+        r["reverse_kl_step0"] = kl[0]  # step 1 sampled with the initial weights: student = teachers
+        row["mopd_self_distillation"] = r
+    if "grpo" in parts:
+        trainer = ["trainer.tasks_per_node=2"]
+        if fam.tp_plan is not None:
+            trainer += ["trainer.parallel.tp=2", "trainer.sequence_parallel=true"]
+        r = launch(tmp / fam.name / "grpo", [*GRPO, *COMMON, *model, *trainer])
+        r["engine_tp"], r["trainer_tp"] = 2, 2 if fam.tp_plan is not None else 1
+        row["grpo"] = r
+    row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    listed = [f for f in families.FAMILIES if f.fsdp2]
+    ap.add_argument("--families", default=",".join(f.name for f in listed))
+    ap.add_argument("--only", default="mopd,grpo")
+    args = ap.parse_args()
+    parts = set(args.only.split(","))
+    doc = json.loads(OUT.read_text()) if OUT.exists() else {"benchmark": "families", "results": {}}
+    doc["goal_token_mult_prob_error"] = GOAL
+    doc["registry"] = [f.name for f in listed]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.families.split(","):
+            fam = families.named(name)
+            if fam.test_model is None:  # listed, so that the file says which family has no tiny model yet
+                doc["results"][name] = {"family": name, "skipped": "the family declares no test_model"}
+                continue
+            doc["results"][name] = row = run_family(fam, Path(tmp), parts)
+            print(json.dumps({name: {k: {kk: v.get(kk) for kk in ("per_step_token_mult_prob_error",
+                                                                   "per_step_reverse_kl_mean", "wall_s", "returncode")}
+                                     for k, v in row.items() if isinstance(v, dict)}}), flush=True)
+            OUT.write_text(json.dumps(doc, indent=1) + "\n")
+    OUT.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
