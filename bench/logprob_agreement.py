@@ -78,7 +78,7 @@ def main() -> int:
     from hpc_rl.models import families
 
     ap.add_argument("--family", default=families.DEFAULT,
-                    choices=[f.name for f in families.FAMILIES if f.fsdp2 and f.test_model is not None])
+                    choices=[f.name for f in families.FAMILIES + (families.GENERIC,) if f.fsdp2 and f.test_model is not None])
     args = ap.parse_args()
 
     import torch

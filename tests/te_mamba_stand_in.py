@@ -1,7 +1,7 @@
 """TEST-ONLY stand-ins for Transformer Engine and mamba-ssm, so that megatron-core 0.16.1 can
 BUILD its Nemotron-H model (MambaModel with the TE `mamba_stack_spec`) on a CPU machine and
 tests can compare the names and shapes of its state dict with what
-hpc_rl/models/megatron/nemotron_h_mapping.py writes (tests/megatron_names_nemotron_h.py).
+hpc_rl/models/families/nemotron_h/megatron_mapping.py writes (tests/megatron_names_nemotron_h.py).
 Never imported by hpc_rl; nothing built with it runs a forward.
 
 Why stand-ins: megatron-core's Mamba stack is Transformer Engine modules only, and without TE

@@ -45,11 +45,23 @@ def family_ckpt(request, tmp_path_factory):
     return fam, save_untrained(tmp_path_factory.mktemp(fam.name), fam.test_model, seed=0)
 
 
+def _optim():
+    """AdamW's first step is lr * g / (|g| + eps): with eps 1e-8 a gradient near eps magnifies
+    float32 reduction-order noise (the same sums in another order) by up to lr / eps = 1e5
+    (seen here: 1.2e-5 on a tiny Qwen2's gate_proj whose log-probs agree to 5e-7). With eps 1e-3
+    the step's sensitivity to its gradient is at most lr / eps = 1, so the weights after it differ
+    by at most the gradients' own noise (~1e-7 relative), far inside atol 1e-5, while every
+    weight with a gradient of 1e-3 or more still moves by lr / 2 or more (checked)."""
+    from hpc_rl.models.fsdp2 import OptimConfig
+
+    return OptimConfig(lr=1e-3, eps=1e-3, warmup_steps=0, grad_clip=1.0)
+
+
 def _worker(rank: int, world: int, ckpt: str, out: str, sp: bool) -> None:
-    from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
+    from hpc_rl.models.fsdp2 import FSDP2Backend
 
     ids, attn = masked_batch(4, 11)
-    b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0),
+    b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=_optim(),
                      parallel={"tp": 2}, sequence_parallel=sp)
     before = b.logprobs(ids, attn)
     metrics = b.train_step(ids, attn, masked_loss(attn))
@@ -60,12 +72,13 @@ def _worker(rank: int, world: int, ckpt: str, out: str, sp: bool) -> None:
 @pytest.mark.parametrize("sp", [True, False], ids=["sequence_parallel", "tp_only"])
 def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     """The family's plan on two ranks against one rank: log-probs, loss, gradient norm and every
-    weight after one AdamW step (lr 1e-3: tests/test_tensor_parallel.py says why 1e-5 holds)."""
-    from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
+    weight after one AdamW step (`_optim` says why 1e-5 holds)."""
+    from hpc_rl.models.fsdp2 import FSDP2Backend
 
     fam, ckpt = family_ckpt
     ids, attn = masked_batch(4, 11)
-    single = FSDP2Backend(str(ckpt), optim=OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0))
+    untouched = FSDP2Backend(str(ckpt)).full_state_dict()
+    single = FSDP2Backend(str(ckpt), optim=_optim())
     before = single.logprobs(ids, attn)
     metrics = single.train_step(ids, attn, masked_loss(attn))
     state = single.full_state_dict()
@@ -77,6 +90,8 @@ def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
     for name, tensor in state.items():  # the per-head norms' weights too (their gradient sums over ranks)
         assert torch.allclose(got["state"][name], tensor, atol=1e-5, rtol=0), name
+    # the step moved the weights: equal weights are not two untouched models
+    assert max(float((state[n] - t).abs().max()) for n, t in untouched.items()) > 5e-4
 
 
 @pytest.mark.slow
@@ -86,6 +101,63 @@ def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
     out = tmp_path / "agree.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32",
                            "--tp", "1,2", "--family", family, "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_tp = {r["vllm_tensor_parallel"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(by_tp) == [1, 2]
+    for tp, r in by_tp.items():
+        assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
+        assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
+    assert proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def generic_ckpt(tmp_path_factory):
+    """A tiny random Ernie 4.5: a decoder no family folder describes (families/generic/)."""
+    from hpc_rl.models.assets import save_untrained
+
+    return save_untrained(tmp_path_factory.mktemp("generic"), families.GENERIC.test_model, seed=0)
+
+
+def test_another_causal_lm_is_on_the_generic_path_and_its_tp_is_refused(generic_ckpt, tmp_path, capsys):
+    """The launcher takes it (checkpoint check), refuses its tensor and context parallel with the
+    reason, and the dry run says it runs on the generic path."""
+    from hpc_rl.config import ConfigError, load_config
+    from hpc_rl.launch import main
+    from hpc_rl.models.checkpoint_check import check_checkpoint
+    from hpc_rl.rl.inputs import check_inputs
+
+    config = check_checkpoint(str(generic_ckpt))
+    assert families.of_config(config) is None and families.resolve(config) is families.GENERIC
+    cfg = load_config(["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={generic_ckpt}",
+                       "model.architecture=generic", "trainer.tasks_per_node=2", "trainer.parallel.tp=2",
+                       ])
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)
+    found = {v.key: v for v in e.value.violations}
+    assert "trainer.parallel.tp" in found and "generic path" in found["trainer.parallel.tp"].problem
+    rc = main(["+recipe=tiny_mopd", "launcher=dry_run", f"model.path={generic_ckpt}", "model.architecture=generic",
+               f"run.dir={tmp_path / 'run'}"])
+    assert rc == 0 and "on the generic path" in capsys.readouterr().out
+
+
+def test_the_generic_layout_hands_every_worker_whole_hf_tensors():
+    from hpc_rl.refit.vllm_layout import check_against_model, vllm_tp_layout
+
+    specs = {"model.layers.0.self_attn.q_proj.weight": ((64, 64), "float32"), "lm_head.weight": ((100, 64), "float32")}
+    generic = {"architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5"}
+    lay = vllm_tp_layout(specs, [3, 4], hf_config=generic)
+    for name, (shape, _) in specs.items():
+        assert [(p.rank, p.start, p.stop) for p in lay.tensors[name].pieces] == [(r, (0, 0), shape) for r in (3, 4)]
+    check_against_model(specs, {}, 2, hf_config=generic)  # vLLM's own loader places them, by its names
+
+
+@pytest.mark.slow
+def test_a_generic_model_refits_into_tp1_and_tp2_engines(tmp_path):
+    """vLLM's own loader (model.load_weights, HF names, whole tensors) takes the refit."""
+    out = tmp_path / "agree.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32",
+                           "--tp", "1,2", "--family", families.GENERIC.name, "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     by_tp = {r["vllm_tensor_parallel"]: r for r in json.loads(out.read_text())["results"]}

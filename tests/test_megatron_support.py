@@ -77,7 +77,7 @@ def test_the_flagship_leaves_nothing_refused_on_megatron_gpu_clusters(cluster):
 
 
 def test_the_rules_and_the_registry_agree_with_the_mapping():
-    assert set(MEGATRON_ARCHITECTURES) == set(ARCHITECTURES) | {"nemotron_h"}  # + models/megatron/nemotron_h_mapping.py
+    assert set(MEGATRON_ARCHITECTURES) == set(ARCHITECTURES) | {"nemotron_h"}  # + models/families/nemotron_h/megatron_mapping.py
     assert "megatron" in available()
 
 

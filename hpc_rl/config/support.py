@@ -172,7 +172,8 @@ RULES: List[Rule] = [
          f"leave env.precision at {_ENV_PRECISION!r} (remove it from the recipe)", example="fp32"),
     Rule("model.architecture", lambda v: v not in ARCHITECTURES,
          f"the fsdp2 backend of this version loads {', '.join(ARCHITECTURES[:-1])} and {ARCHITECTURES[-1]} checkpoints "
-         f"only (Hugging Face {', '.join(families.fsdp2_architectures())})",
+         f"only (Hugging Face {', '.join(families.fsdp2_architectures())}; generic: any other *ForCausalLM "
+         "that transformers loads and vLLM serves, data parallel only)",
          f"use a checkpoint of one of {list(ARCHITECTURES)} and name it in model.architecture",
          example="gpt2", applies=_fsdp2),
     Rule("model.architecture", lambda v: v not in MEGATRON_ARCHITECTURES,

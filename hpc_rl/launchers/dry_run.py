@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.models import families
 from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.plan.report import describe
 from hpc_rl.rundir import RunDir, write_atomic
@@ -26,6 +27,11 @@ class DryRunLauncher:
         from hpc_rl.config.support import render_unsupported, unsupported
 
         print(describe(cfg, plan))
+        fam = families.named(cfg.model.architecture)
+        if fam is families.GENERIC:  # no family folder: what that path runs and refuses
+            print(f"\nmodel: on the generic path (model.architecture={fam.name}): {fam.parallel_refusal}; "
+                  "expert parallel needs an MoE family's expert layout; the refit hands vLLM's own loader whole "
+                  "tensors in Hugging Face names")
         for listing in (render_unsupported(unsupported(cfg)), render_misfits(memory_misfits(cfg))):
             if listing:
                 print("\n" + listing)

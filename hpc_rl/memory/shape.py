@@ -134,7 +134,7 @@ def from_hf(cfg: Mapping) -> Shape:
     what is missing."""
     from hpc_rl.models import families
 
-    fam = families.of_config(cfg)
+    fam = families.resolve(cfg)  # the generic path reads as a dense decoder
     if fam is None:
         raise ShapeError(f"model_type {cfg.get('model_type')!r}: the memory model knows the families "
                          f"{', '.join(f.name for f in families.FAMILIES)} (hpc_rl/models/families/)")

@@ -29,9 +29,11 @@ def check_checkpoint(path: str) -> dict:
         raise CheckpointError(f"{path}: no config.json; model.path must be a Hugging Face checkpoint directory")
     cfg = json.loads((p / "config.json").read_text())
     archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    fam = families.resolve(cfg)  # a family of the registry, else the generic path for another *ForCausalLM
+    if fam is None or not fam.fsdp2:
         raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')} is not supported; "
-                              f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+                              f"supported: {list(SUPPORTED_ARCHITECTURES)}, and any other *ForCausalLM that "
+                              f"transformers loads and vLLM serves on the generic path")
     if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model); save the tokenizer beside the weights")
     if not any(p.glob("*.safetensors")):
@@ -44,7 +46,7 @@ def tp_problems(config, tp: int) -> List[str]:
     plan's keys where the family is unknown; empty: it can). Used by validation and here."""
     if tp <= 1:
         return []
-    fam = families.of_config(config)
+    fam = families.resolve(config)
     plan = fam.tp_plan if fam is not None and fam.tp_plan is not None else TensorParallelPlan()
     out = divisibility(config, plan.divides, tp)
     if config.get("tie_word_embeddings"):

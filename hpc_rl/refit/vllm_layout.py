@@ -116,6 +116,8 @@ def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = F
     worker's expert_map to its local slot, and skips (returns False for) an id the worker
     does not own, so no other worker needs them. `hf_config`: the checkpoint's config.json,
     for the splits its tensors' shapes do not tell (families' refit hooks)."""
+    if hf_config is not None and families.resolve(hf_config) is families.GENERIC:
+        return whole(specs, ranks)
     experts = {n: v for n, v in specs.items() if expert_parallel and _EXPERT.match(n)}
     # a family's own tensors (Nemotron-H's Mamba mixers and MoE layers): each part split (or
     # replicated) on its own; routed experts under expert parallel go whole to their owner below
@@ -137,6 +139,15 @@ def vllm_tp_layout(specs: Specs, ranks: Sequence[int], expert_parallel: bool = F
         owner = next(r for r, (a, b) in zip(ranks, ep_expert_blocks(counts[m.group("prefix")], len(ranks)))
                      if a <= e < b)
         lay.add(name, shape, dtype, [Piece(owner, (0,) * len(shape), tuple(shape))])
+    return lay
+
+
+def whole(specs: Specs, ranks: Sequence[int]) -> Layout:
+    """The generic path's destination (models/families/generic/): every tensor whole on every
+    worker of the engine, in HF names; vLLM's own loader fuses and slices it for its rank."""
+    lay = Layout()
+    for name, (shape, dtype) in specs.items():
+        lay.add(name, shape, dtype, [Piece(r, (0,) * len(shape), tuple(shape)) for r in ranks])
     return lay
 
 
@@ -199,6 +210,8 @@ def check_against_model(specs: Specs, params: Mapping[str, Tuple[Sequence[int], 
     `expert_parallel`: the engine runs with enable_expert_parallel (whole experts per
     worker, the first worker holding the first block of `ep_expert_blocks`). `hf_config`: the
     checkpoint's config.json, as vllm_tp_layout takes it."""
+    if hf_config is not None and families.resolve(hf_config) is families.GENERIC:
+        return  # the generic path: vLLM's own loader places (or refuses) every HF-named tensor
     problems: List[str] = []
     targets = fused_targets(specs, tp_size)
     fused_rows: Dict[str, int] = {}

@@ -1,6 +1,7 @@
 """The RL run's inputs, checked on the launching machine before any rank starts.
 
-- model.path and every teacher checkpoint: a Hugging Face Llama/Qwen2 directory with its
+- model.path and every teacher checkpoint: a Hugging Face checkpoint directory of a model
+  family (hpc_rl/models/families/) or of another *ForCausalLM (the generic path), with its
   tokenizer, or `tiny:<name>` / `tiny_moe:<name>` / `tiny_nemotron:<name>` / `tiny_nemotron_moe:<name>`, one of
   the tiny models built on this machine (hpc_rl.models.assets; built on first use, about a minute, then cached). References are
   resolved to absolute paths in the run's config.yaml, so ranks never build anything.
@@ -48,7 +49,7 @@ def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional
 
     if not ref:
         out.append(Violation(key, ref, "the RL loop needs a checkpoint here",
-                             f"set {key}=/path/to/hf_checkpoint (Llama or Qwen2, with tokenizer) or {key}=tiny:student"))
+                             f"set {key}=/path/to/hf_checkpoint (with its tokenizer) or {key}=tiny:student"))
         return None
     try:
         path = resolve_model_ref(ref)
@@ -62,7 +63,8 @@ def _check_model(out: List[Violation], key: str, ref: Optional[str]) -> Optional
     try:
         check_checkpoint(path)
     except CheckpointError as e:
-        out.append(Violation(key, ref, str(e), "use a Llama/Qwen2 checkpoint directory saved with its tokenizer"))
+        out.append(Violation(key, ref, str(e), "use a checkpoint directory of a *ForCausalLM saved with its tokenizer "
+                                            "(hpc_rl/models/families/ lists the first-class families)"))
         return None
     return str(Path(path).resolve())
 
@@ -77,7 +79,7 @@ def _check_split(out: List[Violation], key: str, path: str, tp: int) -> None:
     from hpc_rl.models import families
 
     config = json.loads((Path(path) / "config.json").read_text())
-    fam = families.of_config(config)
+    fam = families.resolve(config)
     if fam is not None and fam.tp_plan is None:  # no tp at all: _check_family_parallel says why
         return
     problems = tp_problems(config, tp)
@@ -96,7 +98,7 @@ def _check_family_parallel(out: List[Violation], key: str, path: str, parallel) 
 
     from hpc_rl.models import families
 
-    fam = families.of_config(json.loads((Path(path) / "config.json").read_text()))
+    fam = families.resolve(json.loads((Path(path) / "config.json").read_text()))
     if fam is None:
         return
     has = {"tp": fam.tp_plan is not None, "cp": fam.context_parallel}
@@ -169,7 +171,7 @@ def _check_engine_split(out: List[Violation], path: str, tp: int, ep: int = 1) -
     need = {"num_attention_heads": config.get("num_attention_heads"),
             "num_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
             "intermediate_size": config.get("intermediate_size")}
-    fam = families.of_config(config)
+    fam = families.resolve(config)
     if fam is not None:  # what else the family's vLLM model splits (Mamba heads and groups, experts)
         need.update(fam.engine_split(config, tp, ep))
     problems = [f"{k}={v} is not divisible by tp={tp}" for k, v in need.items() if v is None or v % tp]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
 from .gemma3 import FAMILY as GEMMA3
+from .generic import GENERIC
 from .granite import FAMILY as GRANITE
 from .llama import FAMILY as LLAMA
 from .mistral import FAMILY as MISTRAL
@@ -42,8 +43,9 @@ DEFAULT = LLAMA.name
 
 
 def named(model_type: Optional[str]) -> Optional[Family]:
-    """The family of a model_type (model.architecture, config.json's model_type), or None."""
-    return next((f for f in FAMILIES if model_type in f.all_model_types), None)
+    """The family of a model_type (model.architecture, config.json's model_type; `generic`: the
+    generic path), or None."""
+    return next((f for f in FAMILIES + (GENERIC,) if model_type in f.all_model_types), None)
 
 
 def of_architecture(arch: str) -> Optional[Family]:
@@ -52,18 +54,27 @@ def of_architecture(arch: str) -> Optional[Family]:
 
 
 def of_config(config: Mapping) -> Optional[Family]:
-    """The family of a Hugging Face config (config.json's mapping): by its architectures, else
-    its model_type; None for a model no family describes."""
-    for arch in config.get("architectures") or []:
-        fam = of_architecture(arch)
-        if fam is not None:
-            return fam
+    """The family of a Hugging Face config (config.json's mapping): by its architectures where
+    it lists them (a checkpoint's class decides what transformers builds), else by its
+    model_type; None for a model no family describes."""
+    archs = config.get("architectures") or []
+    if archs:
+        return next((f for f in map(of_architecture, archs) if f is not None), None)
     return named(config.get("model_type"))
 
 
+def resolve(config: Mapping) -> Optional[Family]:
+    """The family of a config, else the generic path (GENERIC) for any other `*ForCausalLM`
+    (transformers loads it by its config; the ranks find out whether it can), else None."""
+    fam = of_config(config)
+    if fam is None and any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+        return GENERIC
+    return fam
+
+
 def fsdp2_names() -> Tuple[str, ...]:
-    """model.architecture values the fsdp2 backend loads."""
-    return tuple(f.name for f in FAMILIES if f.fsdp2)
+    """model.architecture values the fsdp2 backend loads (the generic path last)."""
+    return tuple(f.name for f in FAMILIES if f.fsdp2) + (GENERIC.name,)
 
 
 def moe_names() -> Tuple[str, ...]:

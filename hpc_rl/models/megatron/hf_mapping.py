@@ -28,7 +28,7 @@ import torch
 from hpc_rl.models import families
 
 # Hugging Face model_type -> the causal-LM classes this module maps: the families whose
-# megatron traits are Llama-style (the hybrid ones map in nemotron_h_mapping.py)
+# megatron traits are Llama-style (the hybrid one maps in models/families/nemotron_h/megatron_mapping.py)
 ARCHITECTURES = {f.name: f.architectures[0] for f in families.FAMILIES if f.megatron and not f.megatron.hybrid}
 
 

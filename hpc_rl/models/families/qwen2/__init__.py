@@ -5,6 +5,7 @@ so the Llama plan and layout serve it unchanged; megatron maps the biases (qkv_b
 from __future__ import annotations
 
 from ..spec import Family, MegatronTraits, TensorParallelPlan
+from .tiny import Qwen2ModelSpec
 
 FAMILY = Family(name="qwen2", label="Qwen2", architectures=("Qwen2ForCausalLM",),
-                megatron=MegatronTraits(qkv_bias=True), tp_plan=TensorParallelPlan())
+                megatron=MegatronTraits(qkv_bias=True), tp_plan=TensorParallelPlan(), test_model=Qwen2ModelSpec())
