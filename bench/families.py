@@ -114,6 +114,10 @@ def main() -> int:
     doc = json.loads(OUT.read_text()) if OUT.exists() else {"benchmark": "families", "results": {}}
     doc["goal_token_mult_prob_error"] = GOAL
     doc["registry"] = [f.name for f in listed]
+    doc["notes"] = ("MOPD self-distillation: the teachers are the student's checkpoint, so every advantage of step 1 "
+                    "is 0 and the student does not move; step 2's refit resends unchanged weights (a layout error "
+                    "would still scramble vLLM's). GRPO: rewards > 0 at step 1 move the weights, so steps 2-3 sample "
+                    "after the refit of a trained step.")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.families.split(","):
             fam = families.named(name)
