@@ -13,7 +13,7 @@ token_mult_prob_error (vLLM's sampling log-probs against the trainer's, fp32: go
 and the reverse KL. Writes bench/results/families.json (merging: a --families run keeps the
 other families' rows).
 
-    python bench/families.py [--families llama,mistral,...] [--only mopd,grpo]
+    python bench/families.py [--families llama,mistral,...] [--only mopd,grpo] [--grpo-engine-tp 1]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ COMMON = ["data.samples_per_task=32", "data.eval_prompts_per_task=0", "trainer.m
           "generator.max_model_len=64"]
 MOPD = ["+recipe=tiny_mopd", "run.max_steps=2", "algo.prompts_per_step=16", "trainer.global_batch_size=32"]
 GRPO = ["+recipe=tiny_grpo", "run.max_steps=3", "algo.prompts_per_step=8", "algo.generations_per_prompt=4",
-        "trainer.global_batch_size=32", "generator.parallel.tp=2"]
+        "trainer.global_batch_size=32"]
 
 
 def launch(run_dir: Path, args: list) -> dict:
@@ -77,7 +77,7 @@ def spec_of(fam):
     return None
 
 
-def run_family(fam, tmp: Path, parts: set) -> dict:
+def run_family(fam, tmp: Path, parts: set, grpo_engine_tp: int = 2) -> dict:
     from hpc_rl.models.assets import save_untrained
 
     spec = spec_of(fam)
@@ -97,9 +97,10 @@ def run_family(fam, tmp: Path, parts: set) -> dict:
         trainer = ["trainer.tasks_per_node=2"]
         if fam.tp_plan is not None:
             trainer += ["trainer.parallel.tp=2", "trainer.sequence_parallel=true"]
-        r = launch(tmp / fam.name / "grpo", [*GRPO, *COMMON, *model, *trainer])
-        r["engine_tp"], r["trainer_tp"] = 2, 2 if fam.tp_plan is not None else 1
-        row["grpo"] = r
+        engine = [f"generator.parallel.tp={grpo_engine_tp}"]
+        r = launch(tmp / fam.name / "grpo", [*GRPO, *COMMON, *model, *trainer, *engine])
+        r["engine_tp"], r["trainer_tp"] = grpo_engine_tp, 2 if fam.tp_plan is not None else 1
+        row["grpo" if grpo_engine_tp == 2 else f"grpo_engine_tp{grpo_engine_tp}"] = r
     row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return row
 
@@ -109,6 +110,7 @@ def main() -> int:
     listed = [f for f in families.FAMILIES if f.fsdp2]
     ap.add_argument("--families", default=",".join(f.name for f in listed))
     ap.add_argument("--only", default="mopd,grpo")
+    ap.add_argument("--grpo-engine-tp", type=int, default=2, help="the GRPO launch's engine (a row keeps the others)")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     doc = json.loads(OUT.read_text()) if OUT.exists() else {"benchmark": "families", "results": {}}
@@ -124,7 +126,8 @@ def main() -> int:
             if spec_of(fam) is None:  # listed, so that the file says which family has no tiny model yet
                 doc["results"][name] = {"family": name, "skipped": "the family declares no test_model"}
                 continue
-            doc["results"][name] = row = run_family(fam, Path(tmp), parts)
+            row = run_family(fam, Path(tmp), parts, args.grpo_engine_tp)
+            doc["results"][name] = row = {**doc["results"].get(name, {}), **row}
             print(json.dumps({name: {k: {kk: v.get(kk) for kk in ("per_step_token_mult_prob_error",
                                                                    "per_step_reverse_kl_mean", "wall_s", "returncode")}
                                      for k, v in row.items() if isinstance(v, dict)}}), flush=True)
