@@ -9,7 +9,8 @@ beside global ones (`layer_types`, `sliding_window`; each kind its own rotary ba
   the ranks). The embedding scale is a scalar: it commutes with the vocabulary split. Tied
   embeddings (the released checkpoints) are refused for tp by the common rule
   (models/checkpoint_check.py: the embedding is split by rows, the head by columns); data
-  parallel runs them. Context parallel refused: its attention applies no sliding window.
+  parallel runs them (the tiny model with `tied=True`: 3 GRPO steps, dp 2, into a TP-2 engine at
+  token_mult_prob_error 1.0000001, measured once by hand, not in the bench). Context parallel refused: its attention applies no sliding window.
 - vLLM (models/gemma3.py): qkv_proj and gate_up_proj fused with Llama's stacked names; q_norm,
   k_norm and the four norms whole on every rank; the same (1 + weight) norms and embedding
   scale, so the common refit rules (refit/vllm_layout.py) serve it.

@@ -17,11 +17,12 @@ class Gemma3ModelSpec:
     # one sliding-window layer, one global (the 1B-27B checkpoints: five sliding per global);
     # a window shorter than the test sequences, so that a path ignoring it moves the log-probs
     sliding_window: int = 16
+    tied: bool = False  # the released checkpoints tie lm_head to the embedding (data parallel only here)
 
     def build(self, vocab_size: int, tok):
-        """A randomly initialised model of this shape (seed the RNG first). Untied embeddings:
-        the fsdp2 tensor-parallel plan splits the embedding by rows and the head by columns, and
-        refuses a tied checkpoint (models/checkpoint_check.py tp_problems)."""
+        """A randomly initialised model of this shape (seed the RNG first). Untied embeddings by
+        default: the fsdp2 tensor-parallel plan splits the embedding by rows and the head by
+        columns, and refuses a tied checkpoint (models/checkpoint_check.py tp_problems)."""
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         head_dim = self.hidden // self.heads
@@ -32,5 +33,5 @@ class Gemma3ModelSpec:
                                layer_types=["sliding_attention", "full_attention"][: self.layers],
                                max_position_embeddings=self.max_positions, bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-                               tie_word_embeddings=False, torch_dtype="float32")
+                               tie_word_embeddings=self.tied, torch_dtype="float32")
         return Gemma3ForCausalLM(cfg)
