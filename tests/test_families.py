@@ -113,7 +113,7 @@ def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
 
 @pytest.fixture(scope="module")
 def generic_ckpt(tmp_path_factory):
-    """A tiny random Mistral: a decoder no family folder describes (families/generic/)."""
+    """A tiny random Ernie 4.5: a decoder no family folder describes (families/generic/)."""
     from hpc_rl.models.assets import save_untrained
 
     return save_untrained(tmp_path_factory.mktemp("generic"), families.GENERIC.test_model, seed=0)
@@ -145,7 +145,7 @@ def test_the_generic_layout_hands_every_worker_whole_hf_tensors():
     from hpc_rl.refit.vllm_layout import check_against_model, vllm_tp_layout
 
     specs = {"model.layers.0.self_attn.q_proj.weight": ((64, 64), "float32"), "lm_head.weight": ((100, 64), "float32")}
-    generic = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    generic = {"architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5"}
     lay = vllm_tp_layout(specs, [3, 4], hf_config=generic)
     for name, (shape, _) in specs.items():
         assert [(p.rank, p.start, p.stop) for p in lay.tensors[name].pieces] == [(r, (0, 0), shape) for r in (3, 4)]

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hpc_rl.models import families
 
 # trainer.logprob_chunk_tokens left unset: as many tokens per chunk as keep a chunk's float32
 # logits at 2^26 elements (256 MB) on each rank, whatever the vocabulary (or its tp share):
@@ -169,11 +170,17 @@ def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     Hugging Face causal LM (`model.model` the backbone, `model.lm_head` the head), never
     holding more than `chunk` tokens' logits."""
 
+    # the HF forward's own scaling after lm_head (Granite's logits_scaling), which running the head
+    # here would skip; scaling the hidden states scales the logits (the head has no bias)
+    fam = families.of_config(model.config.to_dict())
+    scale = fam.logit_scale(model.config.to_dict()) if fam is not None else 1.0
+
     def forward(input_ids=None, attention_mask=None, position_ids=None, **_):
         out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False)
+        hidden = out[0] if scale == 1.0 else out[0] * scale
         # a fresh tensor, not a view: FSDP2 hooks its pre-backward onto the root's output
-        return head_logprobs(model.lm_head, out[0], target, chunk).clone()
+        return head_logprobs(model.lm_head, hidden, target, chunk).clone()
 
     with _forward_swapped(model, forward):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)

@@ -14,9 +14,13 @@ import json
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
+from .gemma3 import FAMILY as GEMMA3
 from .generic import GENERIC
+from .granite import FAMILY as GRANITE
 from .llama import FAMILY as LLAMA
+from .mistral import FAMILY as MISTRAL
 from .nemotron_h import FAMILY as NEMOTRON_H
+from .phi3 import FAMILY as PHI3
 from .qwen2 import FAMILY as QWEN2
 from .qwen3 import FAMILY as QWEN3
 from .qwen3_moe import FAMILY as QWEN3_MOE
@@ -28,6 +32,10 @@ FAMILIES: Tuple[Family, ...] = (
     QWEN3,
     QWEN3_MOE,
     NEMOTRON_H,
+    MISTRAL,
+    GRANITE,
+    PHI3,
+    GEMMA3,
 )
 
 # model.architecture's default (config/schema.py): the tiny test models' family

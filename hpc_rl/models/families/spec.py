@@ -130,6 +130,9 @@ class Family:
     refit: Optional[RefitHooks] = None
     # the HF config's mixture-of-experts layers exist (a dense variant of an MoE-capable family has none)
     is_moe: Callable[[Mapping], bool] = lambda config: False
+    # (config) -> the factor the HF forward multiplies the head's logits by after lm_head (Granite
+    # divides them by logits_scaling): chunked_logprobs applies it, as it runs the head itself
+    logit_scale: Callable[[Mapping], float] = lambda config: 1.0
     tiny: Tuple[str, ...] = field(default_factory=tuple)  # tiny asset reference prefixes of this family
     # a tiny random model of the family (a spec dataclass with `build(vocab, tokenizer)`, its
     # tiny.py): what tests/test_families.py and bench/logprob_agreement.py --family build; head

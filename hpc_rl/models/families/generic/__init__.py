@@ -10,7 +10,7 @@ transformers loads (AutoModelForCausalLM) and vLLM serves.
   the engine's parameters (their names are vLLM's own for the model), vLLM's loader refuses
   what it cannot place.
 - the memory model reads it as a dense decoder (estimates from config.json's usual keys).
-- tests: a tiny random Mistral (tiny.py), a model no family folder holds.
+- tests: a tiny random Ernie 4.5 (tiny.py), a model no family folder holds.
 
 It is not in the registry's FAMILIES (those are first-class); `families.resolve` answers it for
 a `*ForCausalLM` config no family owns, and `model.architecture=generic` names it."""
@@ -18,10 +18,10 @@ a `*ForCausalLM` config no family owns, and `model.architecture=generic` names i
 from __future__ import annotations
 
 from ..spec import Family
-from .tiny import MistralModelSpec
+from .tiny import GenericModelSpec
 
 GENERIC = Family(name="generic", label="generic-path", architectures=(), context_parallel=False,
                  parallel_refusal="no family folder (hpc_rl/models/families/) describes this model, so it runs on the "
                                   "generic path: data parallel only; tensor and context parallel need a family's plan "
                                   "of which modules split how",
-                 test_model=MistralModelSpec())
+                 test_model=GenericModelSpec())
