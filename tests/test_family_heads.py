@@ -58,3 +58,20 @@ def test_phi3_refit_boxes_are_each_ranks_rows_of_every_member():
             "model.layers.0.mlp.down_proj.weight": ((128, 96), "float32")}
     check_against_model(specs, vllm, 2)
     assert refit_layout.local_shape("model.layers.0.self_attn.qkv_proj.weight", (256, 128), specs, 2) == (128, 128)
+
+
+@pytest.mark.parametrize("family", [f.name for f in WITH_MODEL if f.lora_targets])
+def test_lora_default_targets_name_linears_of_the_family(family):
+    """trainer.lora.target_modules unset takes the family's lora_targets: each must be an nn.Linear of
+    the family's model (models/lora.py resolve_targets refuses a name that is not), and peft wraps them."""
+    import tempfile
+
+    from hpc_rl.models.asset_models import build_tokenizer, new_model
+    from hpc_rl.models.lora import resolve_targets
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = build_tokenizer(Path(tmp))
+    model = new_model(families.named(family).test_model, len(tok), tok, 0)
+    assert resolve_targets(model, None) == list(families.named(family).lora_targets)
+    with pytest.raises(ValueError, match="name no nn.Linear"):
+        resolve_targets(model, ["no_such_proj"])

@@ -21,7 +21,7 @@ beside global ones (`layer_types`, `sliding_window`; each kind its own rotary ba
 
 from __future__ import annotations
 
-from ..spec import Family, TensorParallelPlan
+from ..spec import ATTENTION_LINEARS, GATED_MLP_LINEARS, Family, TensorParallelPlan
 from .tiny import Gemma3ModelSpec
 
 PLAN = TensorParallelPlan(norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -32,4 +32,4 @@ FAMILY = Family(name="gemma3_text", label="Gemma 3", architectures=("Gemma3ForCa
                 context_parallel=False,
                 parallel_refusal="the fsdp2 context-parallel attention applies no sliding window, which Gemma 3's "
                                  "local layers need",
-                test_model=Gemma3ModelSpec())
+                test_model=Gemma3ModelSpec(), lora_targets=ATTENTION_LINEARS + GATED_MLP_LINEARS)

@@ -15,9 +15,9 @@ scale instead of 1/sqrt(head_dim)) and `logits_scaling` (the logits are divided 
 
 from __future__ import annotations
 
-from ..spec import Family, TensorParallelPlan
+from ..spec import ATTENTION_LINEARS, GATED_MLP_LINEARS, Family, TensorParallelPlan
 from .tiny import GraniteModelSpec
 
 FAMILY = Family(name="granite", label="Granite", architectures=("GraniteForCausalLM",),
                 tp_plan=TensorParallelPlan(), logit_scale=lambda config: 1.0 / config.get("logits_scaling", 1.0),
-                test_model=GraniteModelSpec())
+                test_model=GraniteModelSpec(), lora_targets=ATTENTION_LINEARS + GATED_MLP_LINEARS)

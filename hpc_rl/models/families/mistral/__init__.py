@@ -12,11 +12,11 @@ which transformers and vLLM both read from config.json (`sliding_window`).
 
 from __future__ import annotations
 
-from ..spec import Family, TensorParallelPlan
+from ..spec import ATTENTION_LINEARS, GATED_MLP_LINEARS, Family, TensorParallelPlan
 from .tiny import MistralModelSpec
 
 FAMILY = Family(name="mistral", label="Mistral", architectures=("MistralForCausalLM",),
                 tp_plan=TensorParallelPlan(), context_parallel=False,
                 parallel_refusal="the fsdp2 context-parallel attention applies no sliding window (config.json's "
                                  "sliding_window, which Mistral checkpoints may set)",
-                test_model=MistralModelSpec())
+                test_model=MistralModelSpec(), lora_targets=ATTENTION_LINEARS + GATED_MLP_LINEARS)

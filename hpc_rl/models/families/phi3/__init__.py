@@ -29,4 +29,6 @@ FAMILY = Family(name="phi3", label="Phi-3", architectures=("Phi3ForCausalLM",), 
                                  "backend's tensor-parallel plan does not split per member (transformers' attention "
                                  "cuts the fused output at global widths), and its sliding window is not applied by "
                                  "the fsdp2 context-parallel attention",
-                refit=REFIT, test_model=Phi3ModelSpec())
+                refit=REFIT, test_model=Phi3ModelSpec(),
+                # its own fused linears: peft adapts each whole (vLLM's Phi-3 LoRA layers are the same modules)
+                lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
