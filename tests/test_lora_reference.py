@@ -63,6 +63,34 @@ def test_reference_is_the_base_with_adapters_off(tiny_ckpt):
     assert gap_policy > 1e-3  # the check can fail: the adapters moved the policy
 
 
+def _two_rank_worker(rank, world, path, out):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    b = FSDP2Backend(str(path), optim=OPT, lora=LORA, group=dist.group.WORLD)
+    ids, attn = _batch()
+    b.train_step(ids, attn, lambda lp, rows: (-lp[rows].mean(), {}))
+    with adapters_off(b.model):  # every rank switches alike: the same FSDP2 all-gathers run
+        ref = b.logprobs(ids, attn)
+    torch.save({"ref": ref, "policy": b.logprobs(ids, attn)}, Path(out) / f"rank{rank}.pt")
+
+
+def test_two_fsdp2_ranks_score_the_base_with_adapters_off(tiny_ckpt, tmp_path):
+    from gloo_ranks import run_ranks
+
+    run_ranks(_two_rank_worker, 2, tmp_path / "store", str(tiny_ckpt), str(tmp_path))
+    ids, attn = _batch()
+    mask = attn.bool()
+    mask[:, 0] = False
+    fresh = FSDP2Backend(str(tiny_ckpt), optim=OPT).logprobs(ids, attn)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        gap_ref = float((got["ref"] - fresh)[mask].abs().max())
+        gap_policy = float((got["policy"] - fresh)[mask].abs().max())
+        print(f"rank {r}: reference vs fresh base {gap_ref:.3g}; policy vs fresh base {gap_policy:.3g}")
+        assert gap_ref <= 1e-5 and gap_policy > 1e-3
+
+
 def test_lora_reference_plans_no_reference_ranks():
     cfg = load_config(BASE)
     assert reference_on_trainer(cfg) and not teacher_groups(cfg)
@@ -77,3 +105,30 @@ def test_lora_reference_plans_no_reference_ranks():
 def test_lora_reference_reward_penalty_validates():
     cfg = load_config([*BASE, "algo.ref_kl.apply_to=reward"])
     assert reference_on_trainer(cfg) and cfg.algo.ref_kl.apply_to == "reward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("apply_to", ["loss", "reward"])
+def test_lora_grpo_launch_with_reference_kl(tmp_path, apply_to):
+    """tiny_grpo with LoRA and the reference KL in the loss or the reward: the trainer scores the reference itself
+    (no teacher rank in the job), the KL is 0 at step 1 (the adapters start at B = 0) and > 0 after."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_rl.launch", "+recipe=tiny_grpo", "run.max_steps=3",
+                           "algo.prompts_per_step=16", "trainer.global_batch_size=128", "data.samples_per_task=32",
+                           "data.eval_prompts_per_task=8", "trainer.lora.enabled=true", "trainer.lora.rank=8",
+                           "trainer.lora.alpha=16", "trainer.optimizer.lr=5e-3", "algo.ref_kl_coef=0.05",
+                           f"algo.ref_kl.apply_to={apply_to}", f"run.dir={run}"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list((run / "logs").glob("teacher*")), sorted(p.name for p in (run / "logs").iterdir())
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["kind"] == "step"]
+    term = "ref_kl_loss" if apply_to == "loss" else "ref_kl_reward_penalty_mean"
+    print(f"ref_kl, {term} by step:", [(s["step"], s["ref_kl"], s[term]) for s in steps])
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert steps[0]["ref_kl"] == 0.0 and steps[0][term] == 0.0
+    assert all(s["ref_kl"] > 0 for s in steps[1:])
+    assert all(s["ref_logprobs_s"] > 0 for s in steps)
