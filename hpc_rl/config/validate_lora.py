@@ -57,7 +57,12 @@ def check_lora(out: List[Violation], cfg) -> None:
         check_reference_section(out, cfg)
     if lo.refit == "adapter":
         # the engines load the adapter between orders (refit/adapter_refit.py); the in-flight load
-        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet
+        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet.
+        # In flight, a request keeps the LoRARequest it was added with (refit/vllm_engine.py _stepped):
+        # before the first refit that is none, so a load in place would not reach the running requests
+        # while their tokens would be stamped with the new version; an engine-level test of the tail's
+        # log-probs against the new adapter (as tests/test_in_flight_refit.py does for full weights) is
+        # what lifting this needs
         if cfg.algo.async_rollout.in_flight_weight_updates:
             out.append(Violation("trainer.lora.refit", "adapter", "with algo.async_rollout.in_flight_weight_updates: "
                                  "the adapter refit loads between orders, not between scheduler steps, in this version",
