@@ -97,6 +97,10 @@ def test_lora_reference_plans_no_reference_ranks():
     assert [r[0] for r in role_sections(cfg)] == ["trainer", "generator", "env"]
     full = load_config(["+recipe=tiny_grpo", "launcher=dry_run", "algo.ref_kl_coef=0.05"])
     assert "teacher/reference" in [r[0] for r in role_sections(full)]  # without LoRA: a group of its own
+    from hpc_rl.plan.job_plan import build_plan
+    from hpc_rl.plan.report import routing_table
+
+    assert "the student's base with the LoRA adapters off) -> the trainer ranks" in routing_table(cfg, build_plan(cfg))
     # the student's base named as the reference is what it is anyway: accepted
     ok = load_config([*BASE, f"reference.checkpoint={cfg.model.path}"])
     assert not teacher_groups(ok)
