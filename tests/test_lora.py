@@ -209,7 +209,8 @@ BASE = ["+recipe=tiny_grpo", "launcher=dry_run", "trainer.lora.enabled=true"]
 @pytest.mark.parametrize("overrides,key,fragment", [
     (["trainer.backend=megatron", "cluster=h100"], "trainer.lora.enabled", "megatron-core 0.16.1"),
     (["trainer.parallel.tp=2", "trainer.nodes=2"], "trainer.parallel.tp", "peft replaces"),
-    (["algo.ref_kl_coef=0.01"], "algo.ref_kl_coef", "adapters off"),
+    (["algo.ref_kl_coef=0.01", "reference.checkpoint=tiny:other"], "reference.checkpoint", "adapters off"),
+    (["algo.ref_kl_coef=0.01", "reference.nodes=2"], "reference.nodes", "no reference rank group"),
     (["trainer.lora.refit=adapter", "algo.async_rollout.enabled=true",
       "algo.async_rollout.in_flight_weight_updates=true"], "trainer.lora.refit", "between scheduler steps"),
     (["trainer.lora.rank=0"], "trainer.lora.rank", "at least 1"),

@@ -133,9 +133,16 @@ class TeacherGroup:
         return REFERENCE in self.aliases
 
 
+def reference_on_trainer(cfg: RunConfig) -> bool:
+    """algo.ref_kl_coef > 0 with trainer.lora: the reference is the student's base with the adapters
+    off, scored by the trainer ranks themselves (roles/trainer.py), no teacher group, no second copy."""
+    return cfg.algo.ref_kl_coef > 0 and cfg.trainer.lora.enabled
+
+
 def reference_checkpoint(cfg: RunConfig) -> Optional[str]:
-    """The reference model's checkpoint when the run has one (algo.ref_kl_coef > 0), else None."""
-    if cfg.algo.ref_kl_coef <= 0:
+    """The checkpoint a teacher group serves as the reference model, when the run has one
+    (algo.ref_kl_coef > 0 without LoRA: reference_on_trainer), else None."""
+    if cfg.algo.ref_kl_coef <= 0 or reference_on_trainer(cfg):
         return None
     return cfg.reference.checkpoint or cfg.model.path
 

@@ -125,7 +125,8 @@ class AlgoConfig(Traced):
     prompts_per_step: int = 8  # prompts drawn per RL step
     generations_per_prompt: int = 1  # samples per prompt, consecutive (grpo's group size)
     # Coefficient of the KL penalty against the reference model (the `reference` role, placed when > 0;
-    # NeMo RL's GRPO default is 0.01). 0: no reference role, no penalty.
+    # NeMo RL's GRPO default is 0.01; with trainer.lora: no role, the trainer scores the base with the
+    # adapters off). 0: no reference role, no penalty.
     ref_kl_coef: float = 0.0
     ref_kl: RefKLConfig = field(default_factory=RefKLConfig)  # the estimator and where the penalty goes
     opd: OPDConfig = field(default_factory=OPDConfig)  # MOPD's per-token advantages (algo.name=mopd)

@@ -7,6 +7,7 @@ import dataclasses
 from typing import List
 
 from .errors import Violation, check_positive
+from .schema import ReferenceConfig
 from .schema_lora import LoraConfig
 
 
@@ -53,15 +54,15 @@ def check_lora(out: List[Violation], cfg) -> None:
                              "tested in this version (LoRA's optimizer state is small already)",
                              "set trainer.cpu_offload=false, or trainer.lora.enabled=false"))
     if cfg.algo.ref_kl_coef > 0:
-        # the reference is scored by a teacher group of its own (config/resources.py teacher_groups),
-        # a second full copy; the base-with-adapter-off path on the trainer ranks is not built yet
-        out.append(Violation("algo.ref_kl_coef", cfg.algo.ref_kl_coef, "with trainer.lora the reference model should "
-                             "be the student's base with the adapters off (no second copy); this version scores the "
-                             "reference on a teacher group of its own and does not build that path",
-                             "set algo.ref_kl_coef=0 with trainer.lora, or trainer.lora.enabled=false"))
+        check_reference_section(out, cfg)
     if lo.refit == "adapter":
         # the engines load the adapter between orders (refit/adapter_refit.py); the in-flight load
-        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet
+        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet.
+        # In flight, a request keeps the LoRARequest it was added with (refit/vllm_engine.py _stepped):
+        # before the first refit that is none, so a load in place would not reach the running requests
+        # while their tokens would be stamped with the new version; an engine-level test of the tail's
+        # log-probs against the new adapter (as tests/test_in_flight_refit.py does for full weights) is
+        # what lifting this needs
         if cfg.algo.async_rollout.in_flight_weight_updates:
             out.append(Violation("trainer.lora.refit", "adapter", "with algo.async_rollout.in_flight_weight_updates: "
                                  "the adapter refit loads between orders, not between scheduler steps, in this version",
@@ -70,3 +71,23 @@ def check_lora(out: List[Violation], cfg) -> None:
             out.append(Violation("trainer.lora.refit", "adapter", "with env.agentic.environment: the episodes' serving "
                                  "loop (hpc_rl/serving/) does not sample with the adapter in this version",
                                  "set trainer.lora.refit=merged for multi-turn environments"))
+
+
+def check_reference_section(out: List[Violation], cfg) -> None:
+    """With trainer.lora the reference model is the student's base with the adapters off, scored by the
+    trainer ranks in trainer.precision (config/resources.py reference_on_trainer): a `reference:` key that
+    asks for anything else (another checkpoint, its own ranks or precision) cannot be honoured."""
+    ref, default = cfg.reference, ReferenceConfig()
+    for f in dataclasses.fields(ReferenceConfig):
+        value = getattr(ref, f.name)
+        if value == getattr(default, f.name):
+            continue
+        if f.name == "checkpoint" and value == cfg.model.path:  # the student's base: what it is anyway
+            continue
+        if f.name == "precision" and value == cfg.trainer.precision:
+            continue
+        out.append(Violation(f"reference.{f.name}", value, "with trainer.lora the reference model is the student's "
+                             "base (model.path) with the adapters off, scored by the trainer ranks in "
+                             "trainer.precision: no reference rank group is placed, so this key would be ignored",
+                             f"remove reference.{f.name}, or set trainer.lora.enabled=false for a reference "
+                             "model of its own"))

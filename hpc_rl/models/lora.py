@@ -79,6 +79,26 @@ def eval_mode(model: torch.nn.Module):
         model.train(was)
 
 
+@contextmanager
+def adapters_off(model: torch.nn.Module):
+    """The base model for the scope (every LoRA layer's forward is its base layer alone), the adapters
+    back on after: the reference model of algo.ref_kl_coef with LoRA, no second copy of the weights.
+    peft's BaseTunerLayer.enable_adapters on each injected layer (PeftModel.disable_adapter does the
+    same; there is no PeftModel here). Under FSDP2 every rank runs the same forwards, so every rank
+    switches alike. enable_adapters(False) also clears the adapters' requires_grad; enable_adapters(True)
+    sets it back for the active adapter (the only one), so training goes on as before."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

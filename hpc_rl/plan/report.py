@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from hpc_rl.config.resources import REFERENCE, reference_checkpoint
+from hpc_rl.config.resources import REFERENCE, reference_checkpoint, reference_on_trainer
 from hpc_rl.config.schema import RunConfig
 
 from .job_plan import JobPlan
@@ -45,6 +45,10 @@ def routing_table(cfg: RunConfig, plan: JobPlan) -> str:
         lines.append(f"reference model ({reference_checkpoint(cfg)}) -> teacher/{group_of[REFERENCE]}: every training "
                      f"sample (algo.ref_kl_coef={cfg.algo.ref_kl_coef}, {cfg.algo.ref_kl.estimator} in the "
                      f"{cfg.algo.ref_kl.apply_to})")
+    elif reference_on_trainer(cfg):  # trainer.lora: the base with the adapters off, no rank group of its own
+        lines.append(f"reference model ({cfg.model.path}, the student's base with the LoRA adapters off) -> the trainer "
+                     f"ranks: every training sample (algo.ref_kl_coef={cfg.algo.ref_kl_coef}, "
+                     f"{cfg.algo.ref_kl.estimator} in the {cfg.algo.ref_kl.apply_to})")
     return "\n".join(lines)
 
 

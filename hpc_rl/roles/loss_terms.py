@@ -24,6 +24,11 @@ def uses_reference(cfg) -> bool:
     return cfg.algo.ref_kl_coef > 0
 
 
+def reference_on_trainer(cfg) -> bool:
+    """trainer.lora: the trainer scores the reference (the base, adapters off) itself."""
+    return uses_reference(cfg) and cfg.trainer.lora.enabled
+
+
 def shaped_rewards(cfg, b) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The collection items' rewards [items] after the configured shaping, and its metrics.
     The batch's own `rewards` stay the environment's (the records show what it said)."""

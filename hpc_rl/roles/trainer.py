@@ -135,6 +135,14 @@ class TrainerRole:
         return time.perf_counter() - t0
 
     # --------------------------------------------------------------------------- logprobs
+    def reference_logprobs(self, rows: List[SampleRow]) -> torch.Tensor:
+        """[B, T] the reference model's log-probs with trainer.lora: the student's base, its adapters
+        off for the pass (models/lora.py adapters_off; every rank alike), the same no-grad pass."""
+        from hpc_rl.models.lora import adapters_off
+
+        with adapters_off(self.backend.model):
+            return self.student_logprobs(rows)
+
     def student_logprobs(self, rows: List[SampleRow]) -> torch.Tensor:
         """[B, T] student log-probs of the whole batch: each trainer rank computes its
         strided share, then the ranks exchange shares."""
@@ -191,7 +199,13 @@ class TrainerRole:
         r = b.rollouts
         mask = r.response_mask
         mm = a.mismatch
-        path, logprobs_s = SEPARATE_PASS, 0.0
+        path, logprobs_s, ref_s = SEPARATE_PASS, 0.0, 0.0
+        if loss_terms.reference_on_trainer(self.cfg) and b.ref_logprobs is None:
+            # trainer.lora: the reference is the base with the adapters off, scored here before the
+            # advantages (apply_to=reward) and the loss (apply_to=loss); no teacher group serves it
+            t0 = time.perf_counter()
+            b.ref_logprobs = self.reference_logprobs(b.rows)
+            ref_s = time.perf_counter() - t0
         if b.student_logprobs is None:
             if self.old_logprobs_reason(b.rows, None) is None:
                 path = TRAINING_FORWARD
@@ -284,4 +298,6 @@ class TrainerRole:
             out["zero_advantage_kept_because"] = skip_off
         if logprobs_s:
             out["late_logprobs_s"] = logprobs_s
+        if ref_s:
+            out["ref_logprobs_s"] = ref_s
         return out
