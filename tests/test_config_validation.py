@@ -147,7 +147,7 @@ UNSUPPORTED = [
     (TINY + ["+teachers.add.tasks_per_node=2", "+teachers.add.parallel.pp=2"], "teachers.add.parallel.pp", "inference only"),
     (TINY + ["env.precision=fp32"], "env.precision", "load no model"),
     (TINY + ["trainer.tasks_per_node=2", "trainer.parallel.ep=2"], "trainer.parallel.ep", "only for an MoE student"),
-    (TINY + ["model.architecture=gpt2"], "model.architecture", "loads llama, qwen2, qwen3_moe and nemotron_h checkpoints only"),
+    (TINY + ["model.architecture=gpt2"], "model.architecture", "generic: any other *ForCausalLM"),
     (ULTRA + ["model.architecture=gpt2"], "model.architecture", "converts llama, qwen2, qwen3, qwen3_moe, nemotron_h"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.cp", "not both in one model"),
     (ULTRA + ["trainer.backend=fsdp2"], "trainer.parallel.ep", "only for an MoE student"),
