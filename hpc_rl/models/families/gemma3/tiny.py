@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..tiny_decoder import TinyDecoder
+
 
 @dataclass(frozen=True)
-class Gemma3ModelSpec:
+class Gemma3ModelSpec(TinyDecoder):
     hidden: int = 128
-    intermediate: int = 192
-    layers: int = 2
-    heads: int = 4  # head_dim 32: vLLM's CPU attention has no kernel for 16
-    kv_heads: int = 2
-    max_positions: int = 256
+    heads: int = 4
     # one sliding-window layer, one global (the 1B-27B checkpoints: five sliding per global);
     # a window shorter than the test sequences, so that a path ignoring it moves the log-probs
     sliding_window: int = 16
@@ -26,12 +24,7 @@ class Gemma3ModelSpec:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         head_dim = self.hidden // self.heads
-        cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=self.hidden, intermediate_size=self.intermediate,
-                               num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                               num_key_value_heads=self.kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-                               sliding_window=self.sliding_window,
-                               layer_types=["sliding_attention", "full_attention"][: self.layers],
-                               max_position_embeddings=self.max_positions, bos_token_id=tok.bos_token_id,
-                               eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-                               tie_word_embeddings=self.tied, torch_dtype="float32")
+        cfg = Gemma3TextConfig(**self.config_kwargs(
+            vocab_size, tok, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=self.sliding_window,
+            layer_types=["sliding_attention", "full_attention"][: self.layers], tie_word_embeddings=self.tied))
         return Gemma3ForCausalLM(cfg)

@@ -5,24 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..tiny_decoder import TinyDecoder
+
 
 @dataclass(frozen=True)
-class Qwen3ModelSpec:
-    hidden: int = 64
-    intermediate: int = 192
-    layers: int = 2
-    heads: int = 2  # head_dim 32: vLLM's CPU attention has no kernel for 16
-    kv_heads: int = 2
-    max_positions: int = 256
-
+class Qwen3ModelSpec(TinyDecoder):
     def build(self, vocab_size: int, tok):
         """A randomly initialised model of this shape (seed the RNG first)."""
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=self.hidden, intermediate_size=self.intermediate,
-                          num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                          num_key_value_heads=self.kv_heads, head_dim=self.hidden // self.heads,
-                          max_position_embeddings=self.max_positions, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-                          tie_word_embeddings=False, torch_dtype="float32")
+        cfg = Qwen3Config(**self.config_kwargs(vocab_size, tok, head_dim=self.hidden // self.heads))
         return Qwen3ForCausalLM(cfg)
