@@ -93,11 +93,9 @@ def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     # the step moved the weights: equal weights are not two untouched models
     assert max(float((state[n] - t).abs().max()) for n, t in untouched.items()) > 5e-4
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", [f.name for f in WITH_MODEL if f.name != families.DEFAULT])
-def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
-    """The default family's refit agreement is tests/test_vllm_refit.py's; the others here."""
+def _assert_refit_into_tp1_and_tp2_agrees(tmp_path, family: str) -> None:
+    """bench/logprob_agreement.py for `family`: a trained step makes TP-1 and TP-2 engines stale, and
+    the refit brings each back to the trainer's log-probs (fp32 goal 1.001)."""
     out = tmp_path / "agree.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32",
                            "--tp", "1,2", "--family", family, "--out", str(out)],
@@ -109,6 +107,14 @@ def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
         assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
         assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
     assert proc.returncode == 0
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f.name for f in WITH_MODEL if f.name != families.DEFAULT])
+def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
+    """The default family's refit agreement is tests/test_vllm_refit.py's; the others here."""
+    _assert_refit_into_tp1_and_tp2_agrees(tmp_path, family)
 
 
 @pytest.fixture(scope="module")
@@ -155,14 +161,4 @@ def test_the_generic_layout_hands_every_worker_whole_hf_tensors():
 @pytest.mark.slow
 def test_a_generic_model_refits_into_tp1_and_tp2_engines(tmp_path):
     """vLLM's own loader (model.load_weights, HF names, whole tensors) takes the refit."""
-    out = tmp_path / "agree.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32",
-                           "--tp", "1,2", "--family", families.GENERIC.name, "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    by_tp = {r["vllm_tensor_parallel"]: r for r in json.loads(out.read_text())["results"]}
-    assert sorted(by_tp) == [1, 2]
-    for tp, r in by_tp.items():
-        assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
-        assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
-    assert proc.returncode == 0
+    _assert_refit_into_tp1_and_tp2_agrees(tmp_path, families.GENERIC.name)
