@@ -93,6 +93,7 @@ def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     # the step moved the weights: equal weights are not two untouched models
     assert max(float((state[n] - t).abs().max()) for n, t in untouched.items()) > 5e-4
 
+
 def _assert_refit_into_tp1_and_tp2_agrees(tmp_path, family: str) -> None:
     """bench/logprob_agreement.py for `family`: a trained step makes TP-1 and TP-2 engines stale, and
     the refit brings each back to the trainer's log-probs (fp32 goal 1.001)."""
@@ -107,7 +108,6 @@ def _assert_refit_into_tp1_and_tp2_agrees(tmp_path, family: str) -> None:
         assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
         assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
     assert proc.returncode == 0
-
 
 
 @pytest.mark.slow
