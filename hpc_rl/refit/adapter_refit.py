@@ -19,15 +19,22 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 ADAPTER_NAME, ADAPTER_ID = "student", 1  # the one adapter every engine serves
 DIR = "refit_adapter"  # under the run directory
 
 
+# vLLM 0.32's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks); an adapter of a lower
+# rank is padded up to the engine's. trainer.lora.rank above the last is refused (config/validate_lora.py).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def engine_lora_options(lora) -> Dict[str, Any]:
-    """vLLM engine arguments for engines that serve the student's adapter (trainer.lora)."""
-    return {"enable_lora": True, "max_lora_rank": int(lora.rank), "max_loras": 1}
+    """vLLM engine arguments for engines that serve the student's adapter (trainer.lora): the
+    smallest max_lora_rank vLLM accepts that holds the adapter's rank."""
+    rank = next(r for r in MAX_LORA_RANKS if r >= int(lora.rank))
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
 
 
 def adapter_path(run_dir, prefix: str, refit_no: int) -> Path:
@@ -59,20 +66,50 @@ def publish(backend, run_dir, prefix: str, refit_no: int, is_driver: bool, store
     return out
 
 
-def receive(generator, store, prefix: str, refit_no: int, version: int) -> Dict[str, Any]:
-    """A generator's side: wait for refit `refit_no` (no deadline), load it into the engine in place
-    and stamp the weight version the following tokens are sampled under."""
+def student_request(path) -> "LoRARequest":  # noqa: F821
+    """The LoRARequest every request carries (generator.lora_request): the student's one adapter
+    slot, without load_inplace. The worker re-applies each running request's LoRARequest at every
+    scheduler step (module docstring): with load_inplace it would reload that request's path each
+    step, and a request added before an in-flight refit would load the old adapter back."""
     from vllm.lora.request import LoRARequest
 
+    return LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(path))
+
+
+def load(generator, path, version: Optional[int] = None) -> None:
+    """Replace the engine's adapter with the one at `path` (in place: the same name and id, so
+    running requests' next tokens use it) and make it the one later requests carry; with
+    `version`, stamp the weight version of the tokens sampled from now on."""
+    from vllm.lora.request import LoRARequest
+
+    generator.llm.llm_engine.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(path), load_inplace=True))
+    generator.lora_request = student_request(path)  # every later sample and served request (vllm_engine.py, serving/)
+    if version is not None:
+        generator.weight_version = version
+        generator._core().set_weight_version(str(version))
+
+
+def receive(generator, store, prefix: str, refit_no: int, version: Optional[int], in_flight: bool = False,
+            recompute_kv: bool = False) -> Dict[str, Any]:
+    """A generator's side: wait for refit `refit_no` (no deadline), load it into the engine in place
+    and stamp the weight version the following tokens are sampled under (None: the initial adapter,
+    refit 0, under the engine's present version). `in_flight`: requests are mid-generation (called
+    between scheduler steps): the scheduler pauses keeping them (their KV cache dropped and
+    recomputed under the new adapter with `recompute_kv`), the adapter loads, the version is
+    stamped, the scheduler resumes, as VLLMGenerator.refit_in_flight does for full weights."""
     from .transport import ready_key, wait_ready
 
     wait_s = wait_ready(store, prefix, refit_no, [0], abort_key=f"{prefix}/abort")
     t0 = time.perf_counter()
     path = store.get(ready_key(prefix, refit_no, 0)).decode()
-    request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, path, load_inplace=True)
-    generator.llm.llm_engine.add_lora(request)
-    generator.lora_request = request  # every later sample uses it (refit/vllm_engine.py sample)
-    generator.weight_version = version
-    generator._core().set_weight_version(str(version))
+    if in_flight:
+        generator._utility("pause_scheduler", "keep", recompute_kv)
+        try:
+            load(generator, path, version)
+        finally:
+            generator._utility("resume_scheduler")
+    else:
+        load(generator, path, version)
     nbytes = sum(f.stat().st_size for f in Path(path).iterdir())
-    return {"wait_s": wait_s, "refit_s": time.perf_counter() - t0, "bytes": nbytes, "version": version}
+    return {"wait_s": wait_s, "refit_s": time.perf_counter() - t0, "bytes": nbytes,
+            "version": generator.weight_version, "in_flight": in_flight}
