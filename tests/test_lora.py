@@ -211,8 +211,7 @@ BASE = ["+recipe=tiny_grpo", "launcher=dry_run", "trainer.lora.enabled=true"]
     (["trainer.parallel.tp=2", "trainer.nodes=2"], "trainer.parallel.tp", "peft replaces"),
     (["algo.ref_kl_coef=0.01", "reference.checkpoint=tiny:other"], "reference.checkpoint", "adapters off"),
     (["algo.ref_kl_coef=0.01", "reference.nodes=2"], "reference.nodes", "no reference rank group"),
-    (["trainer.lora.refit=adapter", "algo.async_rollout.enabled=true",
-      "algo.async_rollout.in_flight_weight_updates=true"], "trainer.lora.refit", "between scheduler steps"),
+    (["trainer.lora.refit=adapter", "trainer.lora.rank=1024"], "trainer.lora.rank", "max_lora_rank is at most 512"),
     (["trainer.lora.rank=0"], "trainer.lora.rank", "at least 1"),
     (["trainer.lora.dropout=1.0"], "trainer.lora.dropout", "[0, 1)"),
     (["trainer.lora.enabled=false", "trainer.lora.export_merged=true"], "trainer.lora.export_merged", "ignored"),
@@ -228,6 +227,25 @@ def test_lora_refusals_name_the_key(overrides, key, fragment):
 def test_lora_tiny_grpo_validates():
     cfg = load_config(BASE)
     assert cfg.trainer.lora.enabled and cfg.trainer.lora.refit == "merged"
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("tiny_grpo", ["algo.async_rollout.enabled=true", "algo.async_rollout.in_flight_weight_updates=true",
+                   "algo.async_rollout.recompute_kv_cache_after_weight_updates=true"]),
+    ("tiny_agentic_grpo", []),  # multi-turn episodes (env.agentic.environment)
+])
+def test_the_adapter_refit_validates_in_flight_and_with_episodes(recipe, overrides):
+    """Both were refused before the engines served the adapter from the first request on and the
+    serving loop passed it (refit/adapter_refit.py; tests/test_in_flight_adapter_refit.py)."""
+    cfg = load_config([f"+recipe={recipe}", *BASE[1:], "trainer.lora.refit=adapter", *overrides])
+    assert cfg.trainer.lora.refit == "adapter"
+
+
+def test_engine_max_lora_rank_is_the_smallest_vllm_accepts():
+    from hpc_rl.refit.adapter_refit import engine_lora_options
+
+    ranks = [engine_lora_options(SimpleNamespace(rank=r))["max_lora_rank"] for r in (1, 4, 8, 9, 300, 512)]
+    assert ranks == [1, 8, 8, 16, 320, 512]
 
 
 def test_memory_model_counts_the_adapters_peft_builds(tiny_ckpt):

@@ -11,6 +11,11 @@ from typing import List, Literal, Optional
 
 from .trace import Traced
 
+# vLLM 0.32's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks): the engines of
+# trainer.lora.refit=adapter take the smallest that holds trainer.lora.rank (refit/adapter_refit.py;
+# vLLM pads a lower-rank adapter up); a rank above the last is refused (config/validate_lora.py)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 @dataclass
 class LoraConfig(Traced):
@@ -29,7 +34,8 @@ class LoraConfig(Traced):
     # How the generators' engines get the trained weights after each step. merged: W + B @ A * alpha / rank
     # for every adapted weight, through the full refit (refit/), the engines unchanged. adapter: engines
     # built with vLLM's LoRA support (enable_lora, max_lora_rank) and only the adapters sent and replaced
-    # in place at each refit (GPU clusters; refused on CPU clusters, config/validate_lora.py says why).
+    # in place at each refit, in-flight weight updates and multi-turn episodes included (every request
+    # carries the adapter from the first on: refit/adapter_refit.py).
     refit: Literal["merged", "adapter"] = "merged"
     # The final export (checkpoint.export_final) writes a PEFT adapter directory (final_adapter/); with
     # this also the merged Hugging Face checkpoint (final_hf/, what the run's export is without LoRA).

@@ -8,7 +8,7 @@ from typing import List
 
 from .errors import Violation, check_positive
 from .schema import ReferenceConfig
-from .schema_lora import LoraConfig
+from .schema_lora import MAX_LORA_RANKS, LoraConfig
 
 
 def check_lora(out: List[Violation], cfg) -> None:
@@ -55,22 +55,14 @@ def check_lora(out: List[Violation], cfg) -> None:
                              "set trainer.cpu_offload=false, or trainer.lora.enabled=false"))
     if cfg.algo.ref_kl_coef > 0:
         check_reference_section(out, cfg)
-    if lo.refit == "adapter":
-        # the engines load the adapter between orders (refit/adapter_refit.py); the in-flight load
-        # (between scheduler steps) and the serving loop of multi-turn episodes do not pass it yet.
-        # In flight, a request keeps the LoRARequest it was added with (refit/vllm_engine.py _stepped):
-        # before the first refit that is none, so a load in place would not reach the running requests
-        # while their tokens would be stamped with the new version; an engine-level test of the tail's
-        # log-probs against the new adapter (as tests/test_in_flight_refit.py does for full weights) is
-        # what lifting this needs
-        if cfg.algo.async_rollout.in_flight_weight_updates:
-            out.append(Violation("trainer.lora.refit", "adapter", "with algo.async_rollout.in_flight_weight_updates: "
-                                 "the adapter refit loads between orders, not between scheduler steps, in this version",
-                                 "set trainer.lora.refit=merged, or algo.async_rollout.in_flight_weight_updates=false"))
-        if cfg.env.agentic.environment:
-            out.append(Violation("trainer.lora.refit", "adapter", "with env.agentic.environment: the episodes' serving "
-                                 "loop (hpc_rl/serving/) does not sample with the adapter in this version",
-                                 "set trainer.lora.refit=merged for multi-turn environments"))
+    if lo.refit == "adapter" and lo.rank > MAX_LORA_RANKS[-1]:
+        out.append(Violation("trainer.lora.rank", lo.rank, f"with trainer.lora.refit=adapter the engines serve the adapter "
+                             f"as a vLLM LoRA, whose max_lora_rank is at most {MAX_LORA_RANKS[-1]} (vLLM 0.32)",
+                             f"trainer.lora.rank<={MAX_LORA_RANKS[-1]}, or trainer.lora.refit=merged"))
+    # trainer.lora.refit=adapter with in-flight weight updates and with multi-turn episodes: both honoured.
+    # Every request carries the student's adapter from the first on (refit 0, loaded at join), an in-flight
+    # load replaces it in place while the scheduler is paused, and the serving loop passes it too
+    # (refit/adapter_refit.py; tests/test_in_flight_adapter_refit.py checks the log-probs against peft).
 
 
 def check_reference_section(out: List[Violation], cfg) -> None:

@@ -82,11 +82,13 @@ class VLLMEngine:
     def refit(self, version: int, timeout_s: float) -> Dict[str, Any]:
         return self.vllm.refit(version, timeout_s)
 
-    def load_adapter(self, store, prefix: str, refit_no: int, version: int) -> Dict[str, Any]:
-        """The adapter refit (trainer.lora.refit=adapter): wait for and load the student's adapter."""
+    def load_adapter(self, store, prefix: str, refit_no: int, version: Optional[int], in_flight: bool = False,
+                     recompute_kv: bool = False) -> Dict[str, Any]:
+        """The adapter refit (trainer.lora.refit=adapter): wait for and load the student's adapter
+        (version None: the initial one, refit 0); `in_flight` between scheduler steps, as refit_in_flight."""
         from hpc_rl.refit.adapter_refit import receive
 
-        return receive(self.vllm, store, prefix, refit_no, version)
+        return receive(self.vllm, store, prefix, refit_no, version, in_flight, recompute_kv)
 
     def refit_in_flight(self, version: int, timeout_s: float, recompute_kv: bool) -> Dict[str, Any]:
         return self.vllm.refit_in_flight(version, timeout_s, recompute_kv)

@@ -79,7 +79,11 @@ class GeneratorRole:
         self.adapter_refit = isinstance(setup, dict) and "adapter_prefix" in setup
         if self.adapter_refit:  # trainer.lora.refit=adapter: no weights plan, the adapter (refit/adapter_refit.py)
             self.refit_prefix = setup["adapter_prefix"]
-            self.log.info("engine %d gets the student's LoRA adapter at each refit", self.index)
+            # refit 0, the trainer's adapter as built: every request carries it from the first on, so an
+            # in-flight load reaches the running ones (refit/adapter_refit.py); the version stays
+            out = self.engine.load_adapter(self.ctx.store, self.refit_prefix, 0, None)
+            self.log.info("engine %d gets the student's LoRA adapter at each refit (initial one loaded in %.2fs)",
+                          self.index, out["refit_s"])
             return
         check_against_model({n: (t.shape, t.dtype) for n, t in Layout.from_dict(setup.dst).tensors.items()},
                             self.engine.params(), self.engine.tensor_parallel, expert_parallel=self.engine.expert_parallel,
@@ -159,10 +163,13 @@ class GeneratorRole:
         if not self.adapter_refit:  # the adapter's wait is on its own key (load_adapter)
             wait_ready(self.ctx.store, self.refit_prefix, self.refits, range(len(self.routes.trainer)),
                        abort_key=f"{self.refit_prefix}/abort")
-        if self.adapter_refit:
-            self.ctx.set_phase("refit")
-            out = self.engine.load_adapter(self.ctx.store, self.refit_prefix, self.refits, version)
-            self.ctx.carve_phase("wait_refit", float(out["wait_s"]))  # the trainer still training
+        if self.adapter_refit:  # in flight: between scheduler steps, the scheduler paused (load_adapter)
+            if not in_flight:
+                self.ctx.set_phase("refit")
+            out = self.engine.load_adapter(self.ctx.store, self.refit_prefix, self.refits, version, in_flight,
+                                           self.recompute_kv)
+            if not in_flight:
+                self.ctx.carve_phase("wait_refit", float(out["wait_s"]))  # the trainer still training
             return out
         if in_flight:
             return self.engine.refit_in_flight(version, self.cfg.refit.timeout_s, self.recompute_kv)

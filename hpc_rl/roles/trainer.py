@@ -66,10 +66,16 @@ class TrainerRole:
 
         cfg, r = self.cfg, self.routes
         if cfg.trainer.lora.enabled and cfg.trainer.lora.refit == "adapter":  # the adapters alone travel
+            from hpc_rl.refit.adapter_refit import publish
+
             self.adapter_prefix = f"lora_refit/{self.ctx.ident.restart}"
             if self.is_driver:
                 for g in r.generators:
                     exchange.send({"adapter_prefix": self.adapter_prefix}, g)
+            # refit 0: the adapter as built (B = 0, the base's outputs; a resume refits after loading),
+            # which the engines load at once, so every request carries it (refit/adapter_refit.py)
+            publish(self.backend, self.ctx.run_dir, self.adapter_prefix, 0, self.is_driver, self.ctx.store,
+                    self.backend.checkpoint_dir)
             return
         setup = None
         engine_dtype = vllm_dtype(cfg.generator.precision)

@@ -140,7 +140,9 @@ def serve(generator, requests: RequestQueue, until: Callable[[], bool], between_
         _ids[0] += 1
         rid = f"hpc_rl-serve-{_ids[0]}"
         try:
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), req.sampling_params())
+            # the student's adapter under trainer.lora.refit=adapter (None otherwise), as the sampler's requests
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), req.sampling_params(),
+                               lora_request=generator.lora_request)
         except Exception as exc:  # vLLM validates the request here: its message says what is wrong
             stats.failed += 1
             _settle(req.future, exc=RequestError(str(exc)))
