@@ -41,6 +41,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -125,7 +126,8 @@ def untrained(root: Path, name: str, precision: str) -> str:
 
 
 def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu", precision: str = "fp32",
-           moe: bool = False) -> dict:
+           moe: bool = False, group: str = "nh") -> dict:
+    """`group`: the refit group's store prefix (with the TP size), one per engine of the process."""
     from hpc_rl.algo.metrics import token_mult_prob_error
     from hpc_rl.models.fsdp2 import FSDP2Backend
     from hpc_rl.refit.vllm_engine import EXTENSION, VLLMGenerator, pad_rows, refit_in_process
@@ -173,7 +175,7 @@ def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu
         extra["router_bias_alone_token_mult_prob_error"] = token_mult_prob_error(lp_old_bias, lp_moved,
                                                                                 batch.response_mask)
     t1 = time.perf_counter()
-    timing, endpoint = refit_in_process(gen, store, port, checkpoint_names(moved), version=1, prefix=f"nh_tp{tp}")
+    timing, endpoint = refit_in_process(gen, store, port, checkpoint_names(moved), version=1, prefix=f"{group}_tp{tp}")
     refit_s = time.perf_counter() - t1
     rows, after = agreement()
     if moe:
@@ -185,7 +187,7 @@ def run_tp(tp: int, ckpt: str, store, port: int, prompts_raw, device: str = "cpu
     moved_state = gen.llm.collective_rpc("hpc_rl_mamba_state")
 
     hf.model.load_state_dict(original)
-    refit_in_process(gen, store, port, checkpoint_names(original), version=2, prefix=f"nh_tp{tp}", endpoint=endpoint)
+    refit_in_process(gen, store, port, checkpoint_names(original), version=2, prefix=f"{group}_tp{tp}", endpoint=endpoint)
     back_greedy = [r.response_ids for r in gen.sample(prompts, temperature=0.0, max_tokens=16)]
     back_state = gen.llm.collective_rpc("hpc_rl_mamba_state")
     gen.close()
@@ -261,7 +263,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "nemotron_h_refit.json"))
     ap.add_argument("--checkpoint", default=None,
                     help="a Nemotron-H directory, tiny_nemotron:<name> (built on first use) or "
-                         f"untrained:<{'|'.join(UNTRAINED)}> (random dense, built here); default: the trained "
+                         f"untrained:<{'|'.join(UNTRAINED)}> (random dense, built here), or several of these "
+                         "comma-separated (run in turn; each result names its model); default: the trained "
                          "dense student, with --moe a random MoE hybrid (save_untrained, seconds)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--precision", default="fp32", choices=tuple(GOALS))
@@ -274,22 +277,32 @@ def main() -> int:
     from hpc_rl.rl.inputs import resolve_model_ref
 
     tmp = tempfile.TemporaryDirectory()
-    if args.moe and args.checkpoint is None:
-        from hpc_rl.models.assets import NemotronHMoeModelSpec, save_untrained
 
-        ckpt = str(save_untrained(Path(tmp.name) / "student", NemotronHMoeModelSpec()))
-        label = "tiny MoE Nemotron-H (MEM*E, hidden 64, 4 non-gated experts top-2, shared expert, latent 32), random"
-    elif (args.checkpoint or "").startswith("untrained:"):
-        ckpt = untrained(Path(tmp.name), args.checkpoint.split(":", 1)[1], args.precision)
-        label = f"dense Nemotron-H (M*M-), {args.checkpoint}"
-    else:
-        ckpt = resolve_model_ref(args.checkpoint or "tiny_nemotron:student")
-        label = f"tiny {'MoE' if args.moe else 'dense'} Nemotron-H, {args.checkpoint or 'tiny_nemotron:student'}"
+    def model(spec: Optional[str]) -> Tuple[str, str]:
+        """(checkpoint directory, label) of one --checkpoint entry."""
+        if args.moe and spec is None:
+            from hpc_rl.models.assets import NemotronHMoeModelSpec, save_untrained
+
+            return (str(save_untrained(Path(tmp.name) / "student", NemotronHMoeModelSpec())),
+                    "tiny MoE Nemotron-H (MEM*E, hidden 64, 4 non-gated experts top-2, shared expert, latent 32), random")
+        if (spec or "").startswith("untrained:"):
+            return untrained(Path(tmp.name), spec.split(":", 1)[1], args.precision), f"dense Nemotron-H (M*M-), {spec}"
+        return (resolve_model_ref(spec or "tiny_nemotron:student"),
+                f"tiny {'MoE' if args.moe else 'dense'} Nemotron-H, {spec or 'tiny_nemotron:student'}")
+
     prompts_raw = [s["prompt"] for s in mixed(8, seed=3, tasks=("addition", "multiplication"))]
     port = 29000 + int(time.time()) % 1000
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    results = [run_tp(int(tp), ckpt, store, port, prompts_raw, args.device, args.precision, moe=args.moe)
-               for tp in args.tp.split(",")]
+    specs = args.checkpoint.split(",") if args.checkpoint else [None]
+    results, labels = [], []
+    for i, spec in enumerate(specs):  # several: one after another in this process (one vLLM import), each labelled
+        ckpt, label = model(spec)
+        labels.append(label)
+        results += [dict(run_tp(int(tp), ckpt, store, port, prompts_raw, args.device, args.precision, moe=args.moe,
+                                group=f"nh{i}" if i else "nh"),  # each engine's refit group its own store keys
+                         **({"model": label} if len(specs) > 1 else {}))
+                    for tp in args.tp.split(",")]
+    label = "; ".join(labels)
     tmp.cleanup()
     ok = all(r["meets_goals"] for r in results)
     out = Path(args.out)

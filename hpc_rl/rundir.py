@@ -46,6 +46,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, List, Tuple, Union
 
+from hpc_rl.durable import write_atomic
+
 if TYPE_CHECKING:  # the plan layer may import this module: no import of it at run time
     from hpc_rl.config.schema import RunConfig
     from hpc_rl.plan.job_plan import JobPlan
@@ -63,54 +65,6 @@ def role_file_name(role: str) -> str:
 def shell_role_file_name(var: str) -> str:
     """The same rule as bash parameter expansion of variable `var`: ${var//\\//-}."""
     return f"${{{var}//\\{ROLE_SEP}/{ROLE_FILE_SEP}}}"
-
-
-def fsync_dir(path: Union[str, Path]) -> None:
-    """Make a rename or a new entry in directory `path` durable; not every filesystem allows
-    it (some FUSE mounts refuse to open or fsync a directory), and then there is nothing to do."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Union[str, Path]) -> None:
-    """Every file and directory under `path`, and `path` itself, on disk: for a directory about
-    to be renamed into place, whose name then promises complete contents."""
-    for p in sorted(Path(path).rglob("*")):
-        if p.is_symlink():
-            continue
-        if p.is_dir():
-            fsync_dir(p)
-        elif p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(path)
-
-
-def write_atomic(path: Path, text: str, durable: bool = True) -> None:
-    """Write through a temporary file and rename, so readers never see half a file.
-
-    durable: the bytes reach the disk before the rename, and the rename after it, so a node
-    that crashes leaves the old file or the new one (ext4 and XFS may otherwise persist the
-    rename before the data: an empty job.json or resume record). Only files that are stale
-    the moment their writer dies (a rank's current phase) pass durable=False."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
 
 
 DEFAULT_DIR_MODE = 0o700  # run.dir_mode's default, parsed (config/validate_rundir.py)

@@ -50,33 +50,49 @@ FAMILIES = {
     "nemotron_h": ("nemotron_moe_ckpt", ".experts.up_proj", "model.layers.1.mixer.experts.0.up_proj.weight", (64, 32)),
 }
 
-def _worker(rank: int, world: int, ep: int, ckpt: str, out: str) -> None:
+def _worker(rank: int, world: int, ep: int, cases, out: str) -> None:
+    """Each family's checkpoint in turn on the same ranks: dp-only, then ep."""
     ids, attn = masked_batch(8, 12)
     ids, attn = ids[rank::world], attn[rank::world]  # each rank its strided rows, as the trainer does
-    got = {}
-    for name, size in (("dp", 1), ("ep", ep)):
-        torch.manual_seed(0)
-        b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel={"ep": size})
-        got[name] = {"before": b.logprobs(ids, attn),
-                     "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
-                     "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
-                     "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
-                     "bias": {n: t.clone() for n, (_, t) in b.local_shards().items() if n.endswith("_bias")},
-                     "specs": b.refit_specs()}
-    torch.save(got, f"{out}.{rank}")
+    for family, ckpt in cases:
+        got = {}
+        for name, size in (("dp", 1), ("ep", ep)):
+            torch.manual_seed(0)
+            try:
+                b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=OPT, parallel={"ep": size})
+                got[name] = {"before": b.logprobs(ids, attn),
+                             "metrics": b.train_step(ids, attn, masked_loss(attn), micro_batch_size=2),
+                             "after": b.logprobs(ids, attn), "state": b.full_state_dict(),
+                             "shards": {n: (s, tuple(t.shape)) for n, (s, t) in b.local_shards().items()},
+                             "bias": {n: t.clone() for n, (_, t) in b.local_shards().items() if n.endswith("_bias")},
+                             "specs": b.refit_specs()}
+            except Exception as e:
+                raise RuntimeError(f"{family}, {name}") from e
+        torch.save(got, f"{out}.{family}.{rank}")
 
 
-def _run(tmp_path, world: int, ep: int, ckpt: Path):
-    out = tmp_path / f"w{world}"
-    run_ranks(_worker, world, tmp_path / f"store{world}", ep, str(ckpt), str(out))
-    return [torch.load(f"{out}.{r}") for r in range(world)]
+@pytest.fixture(scope="module")
+def ep_runs(request, tmp_path_factory):
+    """world -> family -> each rank's results: one start of the ranks per world for every family
+    (a start of 2 or 4 rank processes costs more than the tiny models' steps)."""
+    done = {}
+
+    def run(world: int):
+        if world not in done:
+            tmp = tmp_path_factory.mktemp(f"w{world}")
+            cases = [(family, str(request.getfixturevalue(fixture))) for family, (fixture, *_) in FAMILIES.items()]
+            run_ranks(_worker, world, tmp / "store", 2, cases, str(tmp / "out"))
+            done[world] = {family: [torch.load(tmp / f"out.{family}.{r}") for r in range(world)] for family in FAMILIES}
+        return done[world]
+
+    return run
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2_of_2", "ep2_of_4_expert_dp2"])
-def test_ep2_equals_dp_only_logprobs_and_step(request, tmp_path, world, family):
-    fixture, fused, first, first_shape = FAMILIES[family]
-    ranks = _run(tmp_path, world, 2, request.getfixturevalue(fixture))
+def test_ep2_equals_dp_only_logprobs_and_step(ep_runs, world, family):
+    _, fused, first, first_shape = FAMILIES[family]
+    ranks = ep_runs(world)[family]
     for got in ranks:
         dp, ep = got["dp"], got["ep"]
         assert (ep["before"] - dp["before"]).abs().max() <= 1e-5

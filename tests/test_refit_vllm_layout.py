@@ -69,8 +69,8 @@ def test_check_against_a_tp1_model_passes_and_names_every_mismatch():
 
 
 def test_a_pre_sharded_slice_answers_only_the_narrow_to_itself():
-    """What a TP>1 worker hands vLLM's loaders (the live TP-2 engine is exercised by
-    test_vllm_refit): the global shape, the slice for the loader's own narrow, and a
+    """What a TP>1 worker hands vLLM's loaders (live TP-2 engines are exercised by
+    test_families): the global shape, the slice for the loader's own narrow, and a
     clear error for anything else, so a split that disagrees cannot load silently."""
     import torch
 

@@ -20,7 +20,8 @@ from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.validate_rundir import parse_dir_mode
 from hpc_rl.plan import build_plan
 from hpc_rl.rl.records import MetricsLog, RolloutStore
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import publish_dir, write_atomic
+from hpc_rl.rundir import RunDir
 from hpc_rl.slurm.sbatch import RenderOptions, render
 
 DRY = ["+recipe=tiny_mopd", "launcher=dry_run"]
@@ -128,6 +129,24 @@ def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_directory_after(
     write_atomic(tmp_path / "now.json", "{}\n", durable=False)  # a rank's current phase: stale once it dies
     assert fsyncs == [] and (tmp_path / "now.json").read_text() == "{}\n"
 
+
+def test_publish_dir_replaces_an_older_directory_whole_or_leaves_it(tmp_path, fsyncs):
+    """The exports' publish (ckpt/export.py, ckpt/export_lora.py): filled beside its name, on disk,
+    then renamed over the older one; an error leaves the older one and no temporary directory."""
+    out = tmp_path / "final_hf"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with publish_dir(out, "export") as tmp:
+            (tmp / "new.txt").write_text("new")
+            raise RuntimeError("the write failed")
+    assert [p.name for p in tmp_path.iterdir()] == ["final_hf"] and (out / "old.txt").exists()
+    with publish_dir(out, "export") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".tmp_export_final_hf_")
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["final_hf"]
+    synced = [Path(p) for p in fsyncs]
+    assert synced[-1] == tmp_path and any(p.name == "new.txt" for p in synced)
 
 def test_a_checkpoint_save_fsyncs_the_directories_of_its_shards(tmp_path, fsyncs):
     from hpc_rl.ckpt import save_checkpoint

@@ -34,7 +34,7 @@ from typing import Callable, Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hpc_rl.rundir import fsync_dir
+from hpc_rl.durable import fsync_dir
 from hpc_rl.models.lora import checkpoint_meta, hf_name, is_adapter, meta_mismatch
 from hpc_rl.models.nonfinite import all_ranks_finite, tensors_finite
 from hpc_rl.runtime import sealed

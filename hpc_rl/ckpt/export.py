@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from hpc_rl.rundir import fsync_dir, fsync_tree
+from hpc_rl.durable import publish_dir
 
 # Tokenizer files a HF tokenizer directory may hold; copied verbatim.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -102,9 +100,8 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
     carried = carried_from(source, model, state)
     state.update(carried.tensors)
 
-    tmp = out_dir.parent / f".tmp_export_{out_dir.name}_{uuid.uuid4().hex}"
-    tmp.mkdir(parents=True)
-    try:
+    # the export is the run's product: on disk before its name says it is complete
+    with publish_dir(out_dir, "export") as tmp:
         config = model.config.to_dict()
         # fully_shard swaps the model's class for a generated FSDP<Name> subclass; name the HF one.
         config["architectures"] = config.get("architectures") or [type(model).__name__.removeprefix("FSDP")]
@@ -142,14 +139,6 @@ def _write(model, state, out_dir: Path, tokenizer_dir, dtype, max_shard_bytes: i
             for f in copied:
                 shutil.copy2(tok / f, tmp / f)
 
-        fsync_tree(tmp)  # the export is the run's product: on disk before its name says it is complete
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-        fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if carried.tensors:
         log.info("export %s: %d tensors carried unchanged from %s (%s): %s; config keys %s", out_dir,
                  len(carried.tensors), carried.source, carried.reason, _summary(sorted(carried.tensors)),

@@ -7,15 +7,12 @@ checkpoint, on request (trainer.lora.export_merged), is ckpt/export.py's export 
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
 
-from hpc_rl.rundir import fsync_dir, fsync_tree
+from hpc_rl.durable import publish_dir
 
 
 def export_adapter(backend, out_dir, base_path: str, group: Optional[dist.ProcessGroup] = None) -> Path:
@@ -28,17 +25,9 @@ def export_adapter(backend, out_dir, base_path: str, group: Optional[dist.Proces
     if group is not None and dist.is_initialized() and dist.get_rank(group) != 0:
         dist.barrier(group=group)
         return out_dir
-    tmp = out_dir.parent / f".tmp_adapter_{out_dir.name}_{uuid.uuid4().hex}"
     try:
-        write_adapter_dir(backend.model, adapters, tmp, base_path)
-        fsync_tree(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-        fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with publish_dir(out_dir, "adapter") as tmp:
+            write_adapter_dir(backend.model, adapters, tmp, base_path)
     finally:
         if group is not None and dist.is_initialized():
             dist.barrier(group=group)

@@ -8,7 +8,7 @@ A key's type and default come from the dataclasses of schema.py; its meaning fro
 docstrings and the `# comments` on a field's line or on the lines right above it (read with
 ast and tokenize, so the comments stay the one place to document a key); the rules that
 check it from the `Violation(...)` and `check_positive(...)` calls of RULE_SOURCES (read with
-ast); the refusals of this version from support.RULES and support.FACTS.
+ast: reference_rules.py); the refusals of this version from support.RULES and support.FACTS.
 tests/test_config_reference.py fails when the page differs from what this module writes.
 """
 
@@ -30,37 +30,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import schema, support
 from .keys import _entry_type
+from .reference_rules import PACKAGE, Check, display_key, source_checks
 from .schema import RunConfig
 
-PACKAGE = Path(__file__).resolve().parents[1]
 PAGE = PACKAGE.parent / "docs" / "reference" / "config.md"
 REGENERATE = "python -m hpc_rl.config.reference --write"
 
-# Files whose violations name keys, and what a violation there means.
-RULE_SOURCES: List[Tuple[str, str]] = [
-    ("config/validate.py", "checked"),
-    ("config/validate_generator.py", "checked"),
-    ("config/validate_async.py", "checked"),
-    ("config/validate_packing.py", "checked"),
-    ("config/validate_lora.py", "checked"),
-    ("config/validate_logging.py", "checked"),
-    ("config/validate_agentic.py", "checked"),
-    ("config/validate_rundir.py", "checked"),
-    ("config/validate_data.py", "checked"),
-    ("config/validate_algo.py", "checked"),
-    ("config/validate_dynamic_sampling.py", "checked"),
-    ("config/validate_memory.py", "checked"),
-    ("config/validate_memory_plan.py", "checked"),
-    ("rl/inputs.py", "inputs"),
-    ("rl/heldout.py", "inputs"),
-    ("engines/vllm_args.py", "inputs"),
-    ("slurm/preflight.py", "cluster"),
-    ("config/support.py", "refused"),
-    ("config/support_memory.py", "refused"),
-    # each model family's refusals (models/families/<name>/), reported by rl/inputs.py
-    *((str(p.relative_to(Path(__file__).resolve().parents[1])), "inputs")
-      for p in sorted((Path(__file__).resolve().parents[1] / "models" / "families").glob("*/__init__.py"))),
-]
 KINDS = {
     "checked": "checked by validation on every launch, the dry run included (exit 2, nothing submitted)",
     "inputs": "checked before any rank starts (launcher=local|slurm and `--batch-plan`): checkpoints, data, "
@@ -70,18 +45,6 @@ KINDS = {
                "run plans the config and lists the refusal",
     "fact": "describes the machines or the model; validation checks the plan against it",
 }
-# `{key}` at the start of a violation's key names a role section; these functions name fewer.
-ROLE_KEYS = ("trainer", "generator", "teachers.*", "env")
-ROLE_KEYS_OF = {"_parallel_combinations": ("trainer", "teachers.*"), "_check_family_parallel": ("trainer", "teachers.*")}
-
-
-@dataclass
-class Check:
-    kind: str
-    pattern: str  # fnmatch pattern over dotted keys ('*': any dict entry, loop value, ...)
-    problem: str
-    fix: str
-    where: str  # file:function, for the reader who wants the code
 
 
 @dataclass
@@ -153,112 +116,7 @@ def schema_keys(root: type = RunConfig, source: Optional[str] = None) -> List[Ke
     return walk(root, "")
 
 
-# -- rules: the violations that name keys ------------------------------------------------
-
-
-class _Calls(ast.NodeVisitor):
-    """Violation(key, value, problem, fix) and check_positive(out, key, value[, minimum]) calls."""
-
-    def __init__(self, kind: str, where: str) -> None:
-        self.kind, self.where = kind, where
-        self.func = ""
-        self.strings: Dict[str, ast.expr] = {}  # the function's names bound to (f-)strings
-        self.loops: List[Dict[str, List[str]]] = []
-        self.found: List[Check] = []
-
-    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        saved = self.func, self.strings
-        self.func = node.name
-        self.strings = {t.id: s.value for s in ast.walk(node) if isinstance(s, ast.Assign)
-                        and isinstance(s.value, (ast.JoinedStr, ast.Constant)) for t in s.targets if isinstance(t, ast.Name)}
-        self.generic_visit(node)
-        self.func, self.strings = saved
-
-    def visit_For(self, node: ast.For) -> None:
-        elts = node.iter.elts if isinstance(node.iter, (ast.Tuple, ast.List)) else []
-        known = isinstance(node.target, ast.Name) and elts and all(isinstance(e, ast.Constant) for e in elts)
-        self.loops.append({node.target.id: [str(e.value) for e in elts]} if known else {})
-        self.generic_visit(node)
-        self.loops.pop()
-
-    def visit_Call(self, node: ast.Call) -> None:
-        name = node.func.id if isinstance(node.func, ast.Name) else ""
-
-        def arg(i: int, kw: str) -> Optional[ast.expr]:
-            return node.args[i] if len(node.args) > i else next((k.value for k in node.keywords if k.arg == kw), None)
-
-        if name in ("Violation", "Refusal") and arg(3, "fix") is not None:
-            key, problem, fix = self.patterns(arg(0, "key")), self.text(arg(2, "problem")), self.text(arg(3, "fix"))
-        elif name == "check_positive" and arg(1, "key") is not None:
-            low = arg(3, "minimum")
-            least = low.value if isinstance(low, ast.Constant) else 1
-            key, problem, fix = self.patterns(arg(1, "key")), f"must be an integer >= {least}", f"set it to {least} or more"
-        else:
-            key = None
-        for pattern, subs in key or []:
-            problem_, fix_ = (_fill(t, subs) for t in (problem, fix))
-            self.found.append(Check(self.kind, re.sub(r"\[\*\]$", "", pattern), problem_, fix_, f"{self.where}:{self.func}"))
-        self.generic_visit(node)
-
-    def patterns(self, node: Optional[ast.expr], first: bool = True) -> Optional[List[Tuple[str, Dict[str, str]]]]:
-        """The keys a key expression names, each with the values it gave the expression's
-        names; None when the key is a variable only the runtime knows."""
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [(node.value, {})]
-        if isinstance(node, ast.Name) and node.id in self.strings:
-            return self.patterns(self.strings[node.id], first)
-        if not isinstance(node, ast.JoinedStr):
-            return None
-        outs: List[Tuple[str, Dict[str, str]]] = [("", {})]
-        for part in node.values:
-            opts = [(part.value, {})] if isinstance(part, ast.Constant) else self._expand(part.value, first and outs == [("", {})])
-            outs = [(o + p, {**so, **sp}) for o, so in outs for p, sp in opts]
-        return outs
-
-    def _expand(self, value: ast.expr, at_start: bool) -> List[Tuple[str, Dict[str, str]]]:
-        if isinstance(value, ast.Name):
-            if value.id in self.strings:
-                return self.patterns(self.strings[value.id], at_start) or [("*", {})]
-            for loop in reversed(self.loops):
-                if value.id in loop:
-                    return [(v, {value.id: v}) for v in loop[value.id]]
-            if value.id == "key" and at_start:
-                return [(k, {"key": _display(k)}) for k in ROLE_KEYS_OF.get(self.func, ROLE_KEYS)]
-        return [("*", {})]
-
-    def text(self, node: Optional[ast.expr]) -> str:
-        if isinstance(node, ast.Constant):
-            return str(node.value)
-        if isinstance(node, ast.Name) and node.id in self.strings:
-            return self.text(self.strings[node.id])
-        if isinstance(node, ast.JoinedStr):
-            return "".join(p.value if isinstance(p, ast.Constant) else _placeholder(p.value) for p in node.values)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-            return self.text(node.left) + self.text(node.right)
-        if isinstance(node, ast.IfExp):
-            return f"{self.text(node.body)}; otherwise {self.text(node.orelse)}"
-        return _placeholder(node) if node is not None else ""
-
-
-def _fill(text: str, subs: Dict[str, str]) -> str:
-    for name, value in subs.items():
-        text = text.replace("{" + name + "}", value)
-    return text
-
-
-def _placeholder(expr: ast.expr) -> str:
-    """A value only the failing config knows: `{name}` where short, `{...}` otherwise."""
-    src = ast.unparse(expr)
-    return "{error}" if src.startswith("str(e") else "{" + (src if len(src) <= 32 else "...") + "}"
-
-
-def source_checks() -> List[Check]:
-    out: List[Check] = []
-    for rel, kind in RULE_SOURCES:
-        visitor = _Calls(kind, f"hpc_rl/{rel}")
-        visitor.visit(ast.parse((PACKAGE / rel).read_text()))
-        out += visitor.found
-    return out
+# -- rules: the violations that name keys (reference_rules.py), the refusals --------------
 
 
 def refusal_checks() -> List[Check]:
@@ -266,7 +124,7 @@ def refusal_checks() -> List[Check]:
     out = []
     for rule in support.RULES:
         when = f"for run.program={'|'.join(rule.programs)}, e.g. {rule.key}={_show(rule.example)}: "
-        out.append(Check("refused", rule.key, when + rule.problem, rule.fix.format(key=_display(rule.key)),
+        out.append(Check("refused", rule.key, when + rule.problem, rule.fix.format(key=display_key(rule.key)),
                          "hpc_rl/config/support.py:RULES"))
     out += [Check("fact", f.key, f.use, "", "hpc_rl/config/support.py:FACTS") for f in support.FACTS]
     return out
@@ -289,10 +147,6 @@ def attach(keys: Sequence[Key], checks: Sequence[Check]) -> List[Check]:
 
 
 # -- the page ------------------------------------------------------------------------------
-
-
-def _display(path: str) -> str:
-    return path.replace("*", "<alias>")
 
 
 def _show(value: Any) -> str:
@@ -351,7 +205,7 @@ def render(keys: Sequence[Key]) -> str:
             out.append(f"\n## `{key.path}`\n")
             out.append(_section_text(key))
         elif key.section:
-            out.append(f"\n**`{_display(key.path)}`** (`{key.type}`)" + (f": {_md(key.doc)}" if key.doc else "") + "\n")
+            out.append(f"\n**`{display_key(key.path)}`** (`{key.type}`)" + (f": {_md(key.doc)}" if key.doc else "") + "\n")
             out += [_check_line(c) for c in key.checks]
         elif "." in key.path:
             out.append(_key_block(key))
@@ -368,7 +222,7 @@ def _key_block(key: Key) -> str:
     kinds = {c.kind for c in key.checks}
     status = ("refused by this version in the cases below" if "refused" in kinds else
               "a fact: validation checks the plan against it" if "fact" in kinds else "honoured by this version")
-    lines = [f"\n### `{_display(key.path)}`\n", f"`{key.type}` · default `{_show(key.default)}` · {status}\n"]
+    lines = [f"\n### `{display_key(key.path)}`\n", f"`{key.type}` · default `{_show(key.default)}` · {status}\n"]
     if key.doc:
         lines.append(_md(key.doc) + "\n")
     lines += [_check_line(c) for c in key.checks]

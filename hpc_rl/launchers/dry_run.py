@@ -9,7 +9,8 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.models import families
 from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.plan.report import describe
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 
 
 class DryRunLauncher:

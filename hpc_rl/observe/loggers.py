@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Protocol, Tuple
 
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 
 from .metrics import flatten
 

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 
 KEEP: Any = object()  # enter(phase) without a step: stay in the current one
 WAIT_PREFIX = "wait"

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 from hpc_rl.slurm.executor import sacct_records, squeue_records
 from hpc_rl.slurm.states import TERMINAL_BAD, JobIdentity, aggregate_state, fitting, fitting_of
 

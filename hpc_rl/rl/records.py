@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from hpc_rl.observe.timing import slowest_ranks
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 
 log = logging.getLogger(__name__)
 

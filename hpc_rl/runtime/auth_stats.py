@@ -31,7 +31,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping
 
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 
 from .signed_store import OPS, REJECTED
 

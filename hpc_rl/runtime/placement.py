@@ -16,7 +16,8 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
 from hpc_rl.plan.placement import JobPlacement, PlacementError, place_job
 from hpc_rl.plan.topology import DiscoveryInputs, NodeFacts, discover, parse_cluster_uuid
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 
 from .identity import RankIdentity, role_offsets
 

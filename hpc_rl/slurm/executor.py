@@ -25,7 +25,8 @@ from submitit.core import utils as submitit_utils
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.plan.job_plan import JobPlan
-from hpc_rl.rundir import RunDir, write_atomic
+from hpc_rl.durable import write_atomic
+from hpc_rl.rundir import RunDir
 from hpc_rl.runtime import env
 from hpc_rl.runtime.identity import role_offsets
 from hpc_rl.runtime.signed_store import new_job_key
