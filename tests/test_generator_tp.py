@@ -9,7 +9,7 @@ from __future__ import annotations
 def test_the_refit_group_addresses_engine_g_tp_rank_j():
     # 2 trainer ranks, 2 engines of TP 2: engine g's worker j is refit rank 2 + g*2 + j
     from hpc_rl.refit.layout import Layout
-    from hpc_rl.refit.vllm_engine import engine_first_rank, refit_setup
+    from hpc_rl.refit.engine_group import engine_first_rank, refit_setup
 
     specs = {"model.layers.0.mlp.down_proj.weight": ((8, 16), "float32"),
              "model.layers.0.input_layernorm.weight": ((8,), "float32")}

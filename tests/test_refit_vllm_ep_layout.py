@@ -11,7 +11,7 @@ import torch
 from hpc_rl.models.parallel.expert_names import checkpoint_shards, checkpoint_specs
 from hpc_rl.refit.layout import Layout, LayoutError, Piece, fsdp2, merge
 from hpc_rl.refit.planner import plan_refit
-from hpc_rl.refit.vllm_engine import refit_setup
+from hpc_rl.refit.engine_group import refit_setup
 from hpc_rl.refit.vllm_layout import check_against_model, ep_expert_blocks, vllm_tp_layout
 
 E, H, I, V = 4, 64, 96, 104  # experts, hidden, moe intermediate, vocabulary

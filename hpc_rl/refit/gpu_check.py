@@ -54,7 +54,7 @@ def _proc(rank: int, port: int, gb: float, timeout: float, gpus: int, kind: str,
     from hpc_rl.refit.layout import chunk_bounds
     from hpc_rl.refit.session import RefitEndpoint
     from hpc_rl.refit.transports import make_transport
-    from hpc_rl.refit.vllm_engine import refit_setup
+    from hpc_rl.refit.engine_group import refit_setup
 
     try:
         device = f"cuda:{rank % gpus}"

@@ -72,7 +72,7 @@ def wait_for_end(ctx) -> None:
 
 def domains_for_refit(ctx, routes: Routes) -> Optional[Dict[int, str]]:
     """Refit layout rank -> NVLink domain, from the placement made at rendezvous (trainer
-    ranks first, then engine g's workers: refit/vllm_engine.py refit_setup); None when the
+    ranks first, then engine g's workers: refit/engine_group.py refit_setup); None when the
     placement has no domains."""
     placement = getattr(ctx, "placement", None)
     if placement is None or not getattr(placement, "roles", None):

@@ -72,7 +72,7 @@ class GeneratorRole:
         workers join the refit group."""
         from hpc_rl.models.families import hf_config
         from hpc_rl.refit.layout import Layout
-        from hpc_rl.refit.vllm_engine import engine_first_rank
+        from hpc_rl.refit.engine_group import engine_first_rank
         from hpc_rl.refit.vllm_layout import check_against_model
 
         setup = exchange.recv(self.routes.driver)

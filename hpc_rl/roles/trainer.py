@@ -61,7 +61,7 @@ class TrainerRole:
         from hpc_rl.models.families import hf_config
         from hpc_rl.refit.session import RefitEndpoint
         from hpc_rl.refit.transports import make_transport
-        from hpc_rl.refit.vllm_engine import refit_setup
+        from hpc_rl.refit.engine_group import refit_setup
         from hpc_rl.refit.vllm_layout import wire_specs
 
         cfg, r = self.cfg, self.routes
