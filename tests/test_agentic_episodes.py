@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import pytest
+from engine_memory import in_process_fraction
 import torch
 from test_agentic_common import ChatterEnv, Recorder, check_token_exact, hf_logprobs, run
 
@@ -202,7 +203,7 @@ def test_concurrency_reaches_max_inflight(student):
 def engine(teacher):
     from hpc_rl.refit.vllm_engine import VLLMGenerator
 
-    gen = VLLMGenerator(str(teacher[2]), precision="fp32", max_model_len=256, memory_fraction=0.1, max_num_seqs=16)
+    gen = VLLMGenerator(str(teacher[2]), precision="fp32", max_model_len=256, memory_fraction=in_process_fraction(), max_num_seqs=16)
     yield gen
     gen.close()
 

@@ -17,6 +17,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+from engine_memory import in_process_fraction
 import torch
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def rig(tmp_path_factory):
         adapters[name] = {n: (torch.randn(t.shape, generator=g) * 0.5 if ".lora_B." in n else t) for n, t in init.items()}
     root = tmp_path_factory.mktemp("adapters")
     dirs = {k: write_adapter_dir(model, st, root / k, student) for k, st in adapters.items()}
-    gen = VLLMGenerator(student, precision="fp32", max_model_len=128, memory_fraction=0.1, max_num_seqs=8,
+    gen = VLLMGenerator(student, precision="fp32", max_model_len=128, memory_fraction=in_process_fraction(), max_num_seqs=8,
                         options=engine_lora_options(LORA))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from engine_memory import in_process_fraction
 import torch
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def rig():
     from hpc_rl.rl.inputs import resolve_model_ref
 
     student, teacher = resolve_model_ref("tiny:student"), resolve_model_ref("tiny:teacher_add")
-    gen = VLLMGenerator(student, precision="fp32", max_model_len=128, memory_fraction=0.1, max_num_seqs=8)
+    gen = VLLMGenerator(student, precision="fp32", max_model_len=128, memory_fraction=in_process_fraction(), max_num_seqs=8)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

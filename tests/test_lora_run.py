@@ -12,6 +12,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from engine_memory import in_process_fraction
 import torch
 
 LORA_GRPO = ["+recipe=tiny_grpo", "run.max_steps=3", "algo.prompts_per_step=16", "trainer.global_batch_size=128",
@@ -107,7 +108,7 @@ def test_lora_run_checkpoint_and_exports(lora_run):
     with torch.no_grad():
         want = merged.generate(ids, attention_mask=attn, do_sample=False, max_new_tokens=6, min_new_tokens=6,
                                pad_token_id=0)[0, ids.shape[1]:].tolist()
-    gen = VLLMGenerator(str(run / "final_hf"), precision="fp32", max_model_len=64, memory_fraction=0.1, max_num_seqs=4)
+    gen = VLLMGenerator(str(run / "final_hf"), precision="fp32", max_model_len=64, memory_fraction=in_process_fraction(), max_num_seqs=4)
     try:
         out = gen.llm.generate([{"prompt_token_ids": ids[0].tolist()}],
                                SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6), use_tqdm=False)

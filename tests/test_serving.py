@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from engine_memory import in_process_fraction
 
 from hpc_rl.runtime import signed_store
 from hpc_rl.serving import (EndpointClient, EndpointError, RequestError, RequestQueue, TokenResult, endpoint_key, serve,
@@ -240,7 +241,7 @@ def engine(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("serving")
     gen = VLLMGenerator(str(save_untrained(root / "tiny", ModelSpec())), precision="fp32", max_model_len=128,
-                        memory_fraction=0.1, max_num_seqs=64)
+                        memory_fraction=in_process_fraction(), max_num_seqs=64)
     requests, key = RequestQueue(), endpoint_key()
     ep = start_endpoint("127.0.0.1", gen.tokenizer, requests.submit, key, tool_parser="pythonic")
     yield {"gen": gen, "requests": requests, "ep": ep, "key": key, "root": root}
